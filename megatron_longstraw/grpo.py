@@ -1,0 +1,231 @@
+"""GRPO loss math (pure PyTorch).
+
+For one prompt we sample a group of ``G`` responses; member ``i`` has ``R_i``
+response tokens and scalar reward ``r_i``::
+
+    A_i      = (r_i - mean(r)) / (std(r) + eps)
+    rho_it   = exp(logp_it - logp_old_it)
+    L_policy = -(1/G) * sum_i (1/R_i) * sum_t min(rho_it*A_i, clip(rho_it, 1-eps_lo, 1+eps_hi)*A_i)
+    L_kl     = beta * (1/G) * sum_i (1/R_i) * sum_t (exp(ref-logp) - (ref-logp) - 1)   # k3
+
+Divisors. The loss is a mean over members (``1/G``) of per-member token means
+(``1/R_i``). Because the prompt is huge, members are processed one at a time
+(each sharing the cached prompt), so :func:`member_loss` returns member ``i``'s
+contribution *already scaled by* ``1/(G*R_i)``. Nothing divides again later:
+the group loss and its gradients are plain sums over members, which is exactly
+what :func:`grpo_loss` computes and what a per-member schedule must reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GRPOLossConfig", "group_advantages", "member_loss", "grpo_loss", "validate_group"]
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """Hyper-parameters of the GRPO loss.
+
+    clip_eps_low/high: ratio clip range ``[1-clip_eps_low, 1+clip_eps_high]``, each in [0, 1).
+    kl_coef: ``beta`` of the k3 KL penalty against the reference policy (0 disables it).
+    adv_eps: added to the reward std in the advantage denominator (> 0).
+    std_unbiased: False (default) uses the population std (divide by G); True divides by G-1.
+    """
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    adv_eps: float = 1e-6
+    std_unbiased: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high"):
+            v = getattr(self, name)
+            if not (0.0 <= v < 1.0):
+                raise ValueError(f"GRPOLossConfig.{name}={v!r} must be in [0, 1) (e.g. 0.2).")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"GRPOLossConfig.kl_coef={self.kl_coef!r} must be finite and >= 0 (0 disables KL).")
+        if not (self.adv_eps > 0.0 and math.isfinite(self.adv_eps)):
+            raise ValueError(f"GRPOLossConfig.adv_eps={self.adv_eps!r} must be finite and > 0 (e.g. 1e-6).")
+
+
+def _nonfinite_members(rewards: torch.Tensor) -> list[int]:
+    """Indices of members whose reward is NaN or +-inf. rewards: [G]."""
+    return torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_unbiased: bool = False) -> torch.Tensor:
+    """Group-relative advantages ``A_i = (r_i - mean(r)) / (std(r) + eps)``.
+
+    Args:
+        rewards: [G] float rewards of one group, G >= 2.
+        eps: added to the std so a near-constant group does not blow up (> 0).
+        std_unbiased: False (default) = population std (divide by G);
+            True = sample std (divide by G-1).
+
+    Returns:
+        [G] advantages in ``rewards.dtype`` (computed in float64). A group with
+        all-equal rewards gives exactly zero advantages.
+
+    Raises:
+        ValueError: rewards not 1-D, G < 2, non-finite rewards, or eps <= 0.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [G], got shape {tuple(rewards.shape)}.")
+    g = rewards.numel()
+    if g < 2:
+        raise ValueError(
+            f"group of one (G={g}): GRPO advantages are relative to the group, so it needs at "
+            "least two members per prompt; sample more responses per prompt."
+        )
+    if not eps > 0:
+        raise ValueError(f"eps={eps!r} must be > 0.")
+    bad = _nonfinite_members(rewards)
+    if bad:
+        raise ValueError(f"reward is NaN/inf for group member(s) {bad}; fix the reward function for these responses.")
+    r = rewards.to(torch.float64)
+    if bool(torch.all(r == r[0])):
+        # Explicit: float rounding in mean() could otherwise leave ~1e-17 residues.
+        return torch.zeros_like(rewards)
+    std = r.std(correction=1 if std_unbiased else 0)
+    return ((r - r.mean()) / (std + eps)).to(rewards.dtype)
+
+
+def member_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantage: float | torch.Tensor,
+    num_members: int,
+    cfg: GRPOLossConfig,
+    logp_ref: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)``.
+
+    Args:
+        logp: [R_i] current-policy log-probs of the response tokens (carries autograd).
+        logp_old: [R_i] log-probs of the sampling policy (treated as constant).
+        advantage: scalar ``A_i`` (treated as constant).
+        num_members: G, the group size.
+        cfg: loss config.
+        logp_ref: [R_i] reference-policy log-probs; required if ``cfg.kl_coef > 0``.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` is a 0-d tensor; summing it over the G members
+        gives the group loss. ``stats`` are detached 0-d per-member values
+        (unscaled by 1/G): ``policy_loss`` = -(1/R_i) sum_t min(...), ``kl`` = k3
+        token mean (0 if disabled), ``clip_frac`` = fraction of tokens where the
+        clipped term is the (strictly smaller) active one, ``ratio_mean/max/min``.
+        So ``loss == (policy_loss + kl_coef * kl) / G``.
+    """
+    if logp.dim() != 1 or logp.numel() == 0:
+        raise ValueError(f"logp must be a non-empty 1-D [R_i] tensor, got shape {tuple(logp.shape)}.")
+    if logp_old.shape != logp.shape:
+        raise ValueError(f"logp_old shape {tuple(logp_old.shape)} != logp shape {tuple(logp.shape)}.")
+    if logp_ref is not None and logp_ref.shape != logp.shape:
+        raise ValueError(f"logp_ref shape {tuple(logp_ref.shape)} != logp shape {tuple(logp.shape)}.")
+    if cfg.kl_coef > 0 and logp_ref is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs logp_ref (reference log-probs); pass it or set kl_coef=0.")
+    if num_members < 2:
+        raise ValueError(f"num_members={num_members}: group of one; GRPO needs at least two members per group.")
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)  # never do the loss math in bf16
+    lp = logp.to(dtype)
+    adv = torch.as_tensor(advantage, dtype=dtype, device=lp.device).detach()
+    num_tokens = lp.numel()
+
+    ratio = torch.exp(lp - logp_old.detach().to(dtype))  # [R_i]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)  # [R_i]
+    policy_tok_mean = -surrogate.sum() / num_tokens  # 1/R_i: per-member token mean
+
+    kl_tok_mean = torch.zeros((), dtype=dtype, device=lp.device)
+    if cfg.kl_coef > 0 and logp_ref is not None:
+        d = logp_ref.detach().to(dtype) - lp  # ref - logp
+        kl_tok_mean = (torch.exp(d) - d - 1.0).sum() / num_tokens  # 1/R_i: per-member token mean
+
+    # 1/G: the group loss is the mean over members; member losses are later plain-summed.
+    loss = (policy_tok_mean + cfg.kl_coef * kl_tok_mean) / num_members
+
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "policy_loss": policy_tok_mean.detach(),
+            "kl": kl_tok_mean.detach(),
+            "clip_frac": (clipped.detach() < unclipped.detach()).to(dtype).mean(),
+            "ratio_mean": r.mean(),
+            "ratio_max": r.max(),
+            "ratio_min": r.min(),
+        }
+    return loss, stats
+
+
+def grpo_loss(
+    logps: list[torch.Tensor],
+    logps_old: list[torch.Tensor],
+    rewards: torch.Tensor,
+    cfg: GRPOLossConfig,
+    logps_ref: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Whole-group GRPO loss: the plain sum of :func:`member_loss` over members.
+
+    Args:
+        logps, logps_old (, logps_ref): G tensors, member i of shape [R_i].
+        rewards: [G] rewards; advantages come from :func:`group_advantages`.
+
+    Returns:
+        0-d loss tensor.
+    """
+    g = len(logps)
+    if len(logps_old) != g or rewards.numel() != g or (logps_ref is not None and len(logps_ref) != g):
+        raise ValueError(
+            f"group size mismatch: {g} logps, {len(logps_old)} logps_old, {rewards.numel()} rewards"
+            + ("" if logps_ref is None else f", {len(logps_ref)} logps_ref")
+        )
+    adv = group_advantages(rewards, eps=cfg.adv_eps, std_unbiased=cfg.std_unbiased)
+    total: torch.Tensor | None = None
+    for i in range(g):
+        ref = None if logps_ref is None else logps_ref[i]
+        loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref)
+        total = loss_i if total is None else total + loss_i
+    assert total is not None
+    return total
+
+
+def validate_group(
+    response_lens: Sequence[int], rewards: Sequence[float] | torch.Tensor, max_response_len: int
+) -> None:
+    """Reject a malformed group before any (expensive) prefill/decode work.
+
+    Args:
+        response_lens: G response lengths in tokens.
+        rewards: G rewards (sequence or [G] tensor).
+        max_response_len: the largest response length allowed.
+
+    Raises:
+        ValueError naming the problem (and the member index where there is one).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    g = len(response_lens)
+    if g == 0:
+        raise ValueError("empty group: no responses for this prompt; GRPO needs at least two members.")
+    if r.numel() != g:
+        raise ValueError(f"len(rewards)={r.numel()} != number of responses={g}; give one reward per response.")
+    if g < 2:
+        raise ValueError("group of one: GRPO advantages are group-relative and need at least two members per prompt.")
+    for i, n in enumerate(response_lens):
+        if n <= 0:
+            raise ValueError(f"group member {i} has response length {n} (empty response); every member needs >= 1 token.")
+        if n > max_response_len:
+            raise ValueError(
+                f"group member {i} has response length {n} > limit {max_response_len}; "
+                "raise it with --longstraw-max-response-len or truncate the response."
+            )
+    bad = _nonfinite_members(r)
+    if bad:
+        raise ValueError(f"reward is NaN/inf for group member(s) {bad}; fix the reward function for these responses.")

@@ -1,0 +1,32 @@
+"""Build a GLM-5.2 Megatron-Core `HybridModel` with LongStraw's state-aware attention."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+from megatron_longstraw import platform
+from megatron_longstraw.models.glm52.config import GLM52Config
+from megatron_longstraw.models.glm52.spec import glm52_stack_spec
+
+
+def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float32,
+                      **parallel_overrides) -> HybridModel:
+    """A `HybridModel` with pattern `D-D-D-` + `DE` x (L - 3). Model-parallel state and RNG must be
+    initialised (`parallel.initialize`); on CPU, `platform.apply()` runs first."""
+    platform.apply()
+    tcfg = cfg.to_transformer_config(params_dtype=params_dtype, qk_layernorm=True,
+                                     **parallel_overrides)
+    model = HybridModel(
+        config=tcfg,
+        hybrid_stack_spec=glm52_stack_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        hybrid_layer_pattern=cfg.hybrid_layer_pattern(),
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="none",  # RoPE is applied inside the attention at true positions
+    )
+    model.longstraw_config = cfg
+    return model

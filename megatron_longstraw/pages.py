@@ -1,0 +1,349 @@
+"""Paged host-memory store for captured prompt state.
+
+Why pages
+---------
+A million-token prompt is run once without autograd ("capture"). Of everything the
+forward pass produces, only the per-layer state that later response tokens read is
+kept: MLA latent rows ``[c_kv; k_pe]`` (``[s, 576]``), DSA indexer keys (``[s, 128]``),
+K/V rows, and fixed-size recurrent state (GDN state, conv tails). Summed over layers
+this is O(P) in the prompt length P and does not fit next to the model on the device,
+so it lives in host memory, in fixed-size pages of ``page_tokens`` rows along dim 0
+(the sequence dim of Megatron's ``[s, b, h]`` layout). Fixed-size pages mean appends
+never reallocate or copy earlier rows, and the allocator sees a few large, equal blocks.
+During replay the device only holds a window of about one layer: ``iter_layers``
+prefetches layer k+1 on a side stream while layer k is used, then ``release``\\ s k.
+
+Pinned memory
+-------------
+Page-locked host memory makes host<->device copies asynchronous (``non_blocking``) and
+faster, but it only exists with CUDA; ``pin_memory=None`` therefore pins iff
+``torch.cuda.is_available()``. Without CUDA everything stays on CPU and prefetching
+is a no-op.
+
+Byte counts
+-----------
+``nbytes()`` is exact. By default it is *logical*: ``num_tokens * row_bytes`` for
+sequence kinds (row_bytes = prod(row_shape) * element size of the storage dtype) and
+``tensor.nbytes`` for fixed kinds; ``allocated=True`` counts whole allocated pages
+(``num_pages * page_tokens * row_bytes``), i.e. what host memory actually holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PageStore"]
+
+
+@dataclass
+class _SeqEntry:
+    """Sequence-indexed state of one (layer, kind): pages of ``[page_tokens, *row_shape]``."""
+
+    row_shape: tuple[int, ...]
+    in_dtype: torch.dtype  # dtype callers append (validated on every append)
+    dtype: torch.dtype  # storage dtype of the pages
+    pages: list[torch.Tensor] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class PageStore:
+    """Per-layer, per-kind captured prompt state in paged (optionally pinned) host memory.
+
+    Sequence kinds are filled with :meth:`append` (rows ``[n, *row_shape]``, dim 0 =
+    tokens) and fetched as ``[num_tokens, *row_shape]``; fixed kinds are set with
+    :meth:`put` and fetched as stored. Floating-point tensors are stored in
+    ``storage_dtype`` when given (integer tensors keep their dtype).
+    """
+
+    def __init__(
+        self,
+        page_tokens: int = 65536,
+        pin_memory: bool | None = None,
+        storage_dtype: torch.dtype | None = None,
+    ) -> None:
+        if page_tokens <= 0:
+            raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        elif pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True requires CUDA (page-locked memory is a CUDA feature)")
+        self.page_tokens = page_tokens
+        self.pin_memory: bool = bool(pin_memory)
+        self.storage_dtype = storage_dtype
+        self._seq: dict[int, dict[str, _SeqEntry]] = {}
+        self._fixed: dict[int, dict[str, torch.Tensor]] = {}
+        self._order: dict[int, list[str]] = {}  # kinds per layer, insertion order
+        # layer -> (device, {kind: device tensor}, ready event or None)
+        self._prefetched: dict[int, tuple[torch.device, dict[str, torch.Tensor], object | None]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._d2h_event: torch.cuda.Event | None = None  # last async device->host copy
+        self._leaves: dict[tuple[int, str], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ writing
+    def _target_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.storage_dtype is not None and dtype.is_floating_point:
+            return self.storage_dtype
+        return dtype
+
+    def _register(self, layer_idx: int, kind: str, sequence: bool) -> None:
+        other = self._fixed if sequence else self._seq
+        if kind in other.get(layer_idx, {}):
+            what = "fixed (put)" if sequence else "sequence (append)"
+            raise ValueError(f"layer {layer_idx} kind {kind!r} is already a {what} kind")
+        order = self._order.setdefault(layer_idx, [])
+        if kind not in order:
+            order.append(kind)
+        self._prefetched.pop(layer_idx, None)  # device copy is stale now
+
+    def _note_async_d2h(self, src: torch.Tensor) -> None:
+        if self.pin_memory and src.is_cuda:
+            self._d2h_event = torch.cuda.Event()
+            self._d2h_event.record(torch.cuda.current_stream(src.device))
+
+    def append(self, layer_idx: int, kind: str, rows: torch.Tensor) -> None:
+        """Append ``rows`` ``[n, *row_shape]`` (dim 0 = tokens) to a sequence kind.
+
+        Fills the current page, then allocates new ``[page_tokens, *row_shape]`` pages.
+        Raises ValueError if trailing shape or dtype differ from earlier rows.
+        """
+        if rows.dim() < 1:
+            raise ValueError(f"rows must have a token dim 0, got shape {tuple(rows.shape)}")
+        rows = rows.detach()
+        row_shape = tuple(rows.shape[1:])
+        entry = self._seq.get(layer_idx, {}).get(kind)
+        if entry is None:
+            self._register(layer_idx, kind, sequence=True)
+            entry = _SeqEntry(row_shape, rows.dtype, self._target_dtype(rows.dtype))
+            self._seq.setdefault(layer_idx, {})[kind] = entry
+        else:
+            if row_shape != entry.row_shape:
+                raise ValueError(
+                    f"layer {layer_idx} kind {kind!r}: row shape {row_shape} != earlier {entry.row_shape}"
+                )
+            if rows.dtype != entry.in_dtype:
+                raise ValueError(
+                    f"layer {layer_idx} kind {kind!r}: dtype {rows.dtype} != earlier {entry.in_dtype}"
+                )
+            self._prefetched.pop(layer_idx, None)
+        P, n, i = self.page_tokens, rows.shape[0], 0
+        while i < n:
+            if entry.num_tokens == len(entry.pages) * P:
+                entry.pages.append(
+                    torch.empty((P, *row_shape), dtype=entry.dtype, pin_memory=self.pin_memory)
+                )
+            off = entry.num_tokens - (len(entry.pages) - 1) * P
+            take = min(P - off, n - i)
+            entry.pages[-1][off : off + take].copy_(rows[i : i + take], non_blocking=self.pin_memory)
+            entry.num_tokens += take
+            i += take
+        if n:
+            self._note_async_d2h(rows)
+
+    def put(self, layer_idx: int, kind: str, tensor: torch.Tensor) -> None:
+        """Store a fixed-size (not sequence-indexed) state, replacing any previous one."""
+        self._register(layer_idx, kind, sequence=False)
+        tensor = tensor.detach()
+        host = torch.empty(
+            tensor.shape, dtype=self._target_dtype(tensor.dtype), pin_memory=self.pin_memory
+        )
+        host.copy_(tensor, non_blocking=self.pin_memory)
+        self._note_async_d2h(tensor)
+        self._fixed.setdefault(layer_idx, {})[kind] = host
+
+    # ------------------------------------------------------------------ queries
+    def _entry(self, layer_idx: int, kind: str) -> _SeqEntry | torch.Tensor:
+        if kind in self._seq.get(layer_idx, {}):
+            return self._seq[layer_idx][kind]
+        if kind in self._fixed.get(layer_idx, {}):
+            return self._fixed[layer_idx][kind]
+        raise KeyError(f"no state for layer {layer_idx} kind {kind!r}")
+
+    def num_tokens(self, layer_idx: int, kind: str) -> int:
+        """Tokens appended so far to a sequence kind (ValueError for fixed kinds)."""
+        entry = self._entry(layer_idx, kind)
+        if not isinstance(entry, _SeqEntry):
+            raise ValueError(f"layer {layer_idx} kind {kind!r} is fixed-size, not sequence-indexed")
+        return entry.num_tokens
+
+    def kinds(self, layer_idx: int) -> list[str]:
+        """Kinds stored for a layer, in insertion order."""
+        return list(self._order.get(layer_idx, []))
+
+    def layers(self) -> list[int]:
+        """Layer indices with any stored state, ascending."""
+        return sorted(self._order)
+
+    def _keys(self, layer_idx: int | None, kind: str | None) -> list[tuple[int, str]]:
+        layers = self.layers() if layer_idx is None else [layer_idx]
+        return [(l, k) for l in layers for k in self.kinds(l) if kind is None or k == kind]
+
+    def nbytes(self, layer_idx: int | None = None, kind: str | None = None, allocated: bool = False) -> int:
+        """Exact bytes held (filtered by layer/kind): logical by default, whole pages if ``allocated``."""
+        total = 0
+        for l, k in self._keys(layer_idx, kind):
+            e = self._entry(l, k)
+            if isinstance(e, _SeqEntry):
+                rows = len(e.pages) * self.page_tokens if allocated else e.num_tokens
+                total += rows * e.row_bytes
+            else:
+                total += e.nbytes
+        return total
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Logical bytes per kind, summed over layers."""
+        out: dict[str, int] = {}
+        for l, k in self._keys(None, None):
+            out[k] = out.get(k, 0) + self.nbytes(l, k)
+        return out
+
+    def bytes_per_token(self, kinds: list[str] | None = None) -> float:
+        """Logical bytes per prompt token over all layers for sequence kinds (default: all).
+
+        Raises ValueError if the selected (layer, kind) entries hold different token counts.
+        """
+        entries = [
+            e for l in self.layers() for k, e in self._seq.get(l, {}).items() if kinds is None or k in kinds
+        ]
+        if not entries:
+            raise ValueError(f"no sequence state for kinds {kinds}")
+        counts = {e.num_tokens for e in entries}
+        if len(counts) != 1:
+            raise ValueError(f"token counts differ across layers/kinds: {sorted(counts)}")
+        n = counts.pop()
+        return sum(e.num_tokens * e.row_bytes for e in entries) / n if n else 0.0
+
+    # ------------------------------------------------------------------ reading
+    def synchronize(self) -> None:
+        """Wait for outstanding asynchronous device->host copies into pinned pages."""
+        if self._d2h_event is not None:
+            self._d2h_event.synchronize()
+            self._d2h_event = None
+
+    def _to_device(self, layer_idx: int, kind: str, device: torch.device) -> torch.Tensor:
+        """Copy one (layer, kind) into a fresh tensor on a non-CPU device (current stream)."""
+        e = self._entry(layer_idx, kind)
+        nb = self.pin_memory
+        if not isinstance(e, _SeqEntry):
+            return e.to(device, non_blocking=nb)
+        out = torch.empty((e.num_tokens, *e.row_shape), dtype=e.dtype, device=device)
+        for p, page in enumerate(e.pages):
+            start = p * self.page_tokens
+            take = min(self.page_tokens, e.num_tokens - start)
+            out[start : start + take].copy_(page[:take], non_blocking=nb)
+        return out
+
+    def fetch(self, layer_idx: int, kind: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The whole logical tensor on ``device``: ``[num_tokens, *row_shape]`` or the fixed state.
+
+        On CPU a single page comes back as a view (several pages: one concat). A prefetch
+        of this layer to ``device`` is waited on (current stream waits on its event) and used.
+        """
+        device = torch.device(device)
+        pre = self._prefetched.get(layer_idx)
+        if pre is not None and pre[0] == device and kind in pre[1]:
+            t, event = pre[1][kind], pre[2]
+            if event is not None:
+                stream = torch.cuda.current_stream(device)
+                stream.wait_event(event)
+                t.record_stream(stream)
+            return t
+        if device.type != "cpu":
+            if self._d2h_event is not None:
+                torch.cuda.current_stream(device).wait_event(self._d2h_event)
+            return self._to_device(layer_idx, kind, device)
+        self.synchronize()
+        e = self._entry(layer_idx, kind)
+        if not isinstance(e, _SeqEntry):
+            return e
+        n, P = e.num_tokens, self.page_tokens
+        if n == 0:
+            return torch.empty((0, *e.row_shape), dtype=e.dtype)
+        used = -(-n // P)
+        if used == 1:
+            return e.pages[0][:n]
+        return torch.cat([*e.pages[: used - 1], e.pages[used - 1][: n - (used - 1) * P]])
+
+    def prefetch(self, layer_idx: int, device: torch.device | str) -> None:
+        """Start copying all kinds of a layer to ``device`` (CUDA: side stream + event; CPU: no-op)."""
+        device = torch.device(device)
+        if device.type == "cpu" or layer_idx not in self._order:
+            return
+        pre = self._prefetched.get(layer_idx)
+        if pre is not None and pre[0] == device:
+            return
+        if device.type != "cuda":  # other accelerators: plain synchronous copy
+            tensors = {k: self._to_device(layer_idx, k, device) for k in self.kinds(layer_idx)}
+            self._prefetched[layer_idx] = (device, tensors, None)
+            return
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # see appends / earlier work
+        with torch.cuda.stream(stream):
+            tensors = {k: self._to_device(layer_idx, k, device) for k in self.kinds(layer_idx)}
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._prefetched[layer_idx] = (device, tensors, event)
+
+    def release(self, layer_idx: int) -> None:
+        """Drop the device copies of a layer made by :meth:`prefetch`."""
+        self._prefetched.pop(layer_idx, None)
+
+    def iter_layers(self, layer_indices: list[int], device: torch.device | str) -> Iterator[int]:
+        """Yield layers in order, prefetching layer k+1 while the caller uses k, then releasing k."""
+        order = list(layer_indices)
+        if order:
+            self.prefetch(order[0], device)
+        for i, layer in enumerate(order):
+            if i + 1 < len(order):
+                self.prefetch(order[i + 1], device)
+            try:
+                yield layer
+            finally:
+                self.release(layer)
+
+    # ------------------------------------------------------------------ gradients
+    def leaf(self, layer_idx: int, kind: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Hook for exact prompt-gradient mode: the fetched state as a fresh ``requires_grad`` leaf.
+
+        Replay reads the leaf instead of the plain fetch; after backward, :meth:`grad` returns
+        d(loss)/d(state), to be pushed back through the prompt. CPU leaves are copies (never
+        aliases of the pages).
+        """
+        t = self.fetch(layer_idx, kind, device)
+        t = t.detach().clone() if t.device.type == "cpu" else t.detach()
+        t.requires_grad_(True)
+        self._leaves[(layer_idx, kind)] = t
+        return t
+
+    def grad(self, layer_idx: int, kind: str) -> torch.Tensor | None:
+        """Accumulated ``.grad`` of the leaf from :meth:`leaf` (None if no leaf or never used)."""
+        t = self._leaves.get((layer_idx, kind))
+        return None if t is None else t.grad
+
+    # ------------------------------------------------------------------ misc
+    def clear(self) -> None:
+        """Free all pages, fixed states, device copies and leaves."""
+        self.synchronize()
+        self._seq.clear()
+        self._fixed.clear()
+        self._order.clear()
+        self._prefetched.clear()
+        self._leaves.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"PageStore(page_tokens={self.page_tokens}, pinned={self.pin_memory}, "
+            f"layers={len(self._order)}, bytes_by_kind={self.bytes_by_kind()}, "
+            f"nbytes={self.nbytes()}, allocated={self.nbytes(allocated=True)})"
+        )

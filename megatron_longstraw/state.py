@@ -1,0 +1,67 @@
+"""The per-pass state that state-aware attention layers read: which mode, at which positions, over
+which pages, with which top-k selections.
+
+Megatron's `TransformerLayer` calls `self_attention(hidden_states, attention_mask=..., ...)` with a
+fixed set of arguments; rather than threading LongStraw arguments through every Megatron signature,
+capture and replay install an `AttentionPass` for the duration of a pass (`with attention_pass(...)`),
+and the attention modules read it. Outside a pass, the attention layers run the plain full-sequence
+forward from position 0, so the model is still an ordinary Megatron model.
+
+Modes:
+- `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
+- `capture`: the current tokens are the prompt; their state is written to `pages` (no autograd).
+- `replay`:  the current tokens are one response; keys are the prompt pages plus the current tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Optional
+
+import torch
+
+from megatron_longstraw.pages import PageStore
+
+Mode = Literal["full", "capture", "replay"]
+
+
+@dataclass
+class AttentionPass:
+    mode: Mode
+    """What the attention layers do with their keys (see the module docstring)."""
+    positions: torch.Tensor
+    """[s] global positions of the current tokens (the prompt starts at 0, a response at P)."""
+    pages: Optional[PageStore] = None
+    """Captured prompt state: written in `capture`, read in `replay`."""
+    prefix_len: int = 0
+    """Number of captured prompt tokens that precede the current tokens (replay: P)."""
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    """DSA top-k per decoder layer: `[s, k]` int64 indices into `[prefix; current]` keys.
+    Filled by the layers that compute a selection; IndexShare layers read their source layer's."""
+    reuse_selections: bool = False
+    """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
+    query_block: int = 1024
+    """Queries per attention block (bounds the gathered `[block, k, d]` rows)."""
+    key_block: int = 4096
+    """Keys per indexer-score block (bounds the `[block_q, h_i, block_k]` scores)."""
+    token_block: int = 8192
+    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+
+
+_CURRENT: list[AttentionPass] = []
+
+
+@contextlib.contextmanager
+def attention_pass(state: AttentionPass) -> Iterator[AttentionPass]:
+    """Install `state` for the attention layers for the duration of the block."""
+    _CURRENT.append(state)
+    try:
+        yield state
+    finally:
+        _CURRENT.pop()
+
+
+def current_pass() -> Optional[AttentionPass]:
+    """The installed pass, or None (plain full-sequence forward)."""
+    return _CURRENT[-1] if _CURRENT else None
