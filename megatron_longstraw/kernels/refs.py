@@ -45,10 +45,33 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, s
     q: [s, h_i, d_i], weights: [s, h_i], keys: [t, d_i] -> [s, t] = sum_h w[s,h] * act(q[s,h].k[t] * scale)
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.einsum("shd,td->sht", q.to(acc), keys.to(acc)) * scale
+    num_queries, num_heads, head_dim = q.shape
+    logits = (q.to(acc).reshape(num_queries * num_heads, head_dim) @ keys.to(acc).T) * scale
     if relu:
-        logits = torch.relu(logits)
-    return torch.einsum("sht,sh->st", logits, weights.to(acc))
+        logits.relu_()
+    return torch.bmm(weights.to(acc)[:, None, :], logits.view(num_queries, num_heads, -1))[:, 0]
+
+
+def _top_k_stable(scores: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of each row with the largest score, ties broken toward the lower index.
+
+    scores/idx: [s, n] with idx ascending along each row (n > k). Returns (scores, idx) [s, k],
+    index-ascending. Rows whose k-th and (k+1)-th largest values differ have a unique top-k set
+    (torch.topk's); rows with a tie at that boundary take everything above the k-th value plus the
+    first tied entries in index order (what a stable descending sort would keep).
+    """
+    values, pos = scores.topk(k + 1, dim=1)
+    pos = pos[:, :k].sort(dim=1).values
+    out_scores, out_idx = scores.gather(1, pos), idx.gather(1, pos)
+    tied_rows = (values[:, k - 1] == values[:, k]).nonzero().flatten()
+    if tied_rows.numel():
+        sub = scores[tied_rows]
+        kth = values[tied_rows, k - 1:k]
+        above, tied = sub > kth, sub == kth
+        take = above | (tied & (tied.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
+        out_scores[tied_rows] = sub[take].view(-1, k)
+        out_idx[tied_rows] = idx[tied_rows][take].view(-1, k)
+    return out_scores, out_idx
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -58,9 +81,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
     q: [s, h_i, d_i], weights: [s, h_i], keys: [t, d_i], query_positions: [s], key_positions: [t]
     (global token positions; key j is visible to query i iff key_positions[j] <= query_positions[i]).
-    Returns (indices [s, k] int64 into the key axis, -1 where fewer than k keys are visible;
-    scores [s, k]) with k = min(topk, t). Ties break toward the lower key index (a stable descending
-    sort), so the result equals a one-shot stable sort of the full row whatever the block size.
+    Returns (indices [s, k] int64 into the key axis, ascending, -1 where fewer than k keys are
+    visible; scores [s, k]) with k = min(topk, t). The selected set is the top k by score with ties
+    broken toward the lower key index, whatever the block size.
     """
     num_queries, num_keys = q.shape[0], keys.shape[0]
     k = min(topk, num_keys)
@@ -74,12 +97,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         if int(block_pos.min()) > last_query:
             continue  # entirely in the future of every query
         scores = indexer_scores(q, weights, keys[start:end], scale, relu)
-        scores = scores.masked_fill(block_pos[None, :] > query_positions[:, None], float("-inf"))
-        cand_scores = torch.cat([best_scores, scores], dim=1)
-        cand_idx = torch.cat([best_idx, torch.arange(start, end, device=q.device).expand(num_queries, -1)], dim=1)
-        order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]
-        best_scores = cand_scores.gather(1, order)
-        best_idx = cand_idx.gather(1, order)
+        scores.masked_fill_(block_pos[None, :] > query_positions[:, None], float("-inf"))
+        idx = torch.arange(start, end, device=q.device).expand(num_queries, -1)
+        if end - start > k:
+            scores, idx = _top_k_stable(scores, idx, k)
+        scores = torch.cat([best_scores, scores], dim=1)
+        idx = torch.cat([best_idx, idx], dim=1)
+        best_scores, best_idx = _top_k_stable(scores, idx, k) if scores.shape[1] > k else (scores, idx)
     if best_idx.shape[1] < k:  # every key block was in the future
         pad = k - best_idx.shape[1]
         best_scores = torch.cat([best_scores, best_scores.new_full((num_queries, pad), float("-inf"))], 1)

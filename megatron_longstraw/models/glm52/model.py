@@ -28,5 +28,8 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="none",  # RoPE is applied inside the attention at true positions
     )
+    # Megatron's local norms (WrappedTorchNorm) ignore params_dtype; one dtype for the whole model, as
+    # Megatron's Float16Module does for bf16.
+    model.to(dtype=params_dtype)
     model.longstraw_config = cfg
     return model

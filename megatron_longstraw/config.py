@@ -1,0 +1,68 @@
+"""LongStrawConfig: the settings of the LongStraw step (the `--longstraw-*` flags, or a YAML
+`longstraw:` section)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_longstraw.grpo import GRPOLossConfig
+
+
+@dataclass
+class LongStrawConfig:
+    group_size: int = 4
+    """G: responses per prompt (>= 2; GRPO compares members of a group)."""
+    max_response_len: int = 4096
+    """Longest response accepted (tokens); longer ones are rejected before any work."""
+    clip_eps_low: float = 0.2
+    """PPO clip: ratios below 1 - clip_eps_low are clipped."""
+    clip_eps_high: float = 0.2
+    """PPO clip: ratios above 1 + clip_eps_high are clipped."""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to the reference policy (0 disables reference scoring)."""
+    page_tokens: int = 65536
+    """Rows per page of captured state."""
+    offload_pages: bool = True
+    """Keep captured pages in host memory (pinned with CUDA) and stream them layer by layer."""
+    kernels: str = "auto"
+    """Kernel backend: auto | ref | a GPU backend (see kernels/)."""
+    checkpoint_layers: bool = True
+    """Whole-decoder-layer activation checkpointing during replay."""
+    token_block: int = 8192
+    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+    query_block: int = 1024
+    """Queries per sparse-attention block."""
+    key_block: int = 4096
+    """Keys per indexer-score block (running top-k)."""
+    seed: int = 1234
+    """Random seed (initialisation and synthetic data)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"longstraw group_size must be >= 2 (GRPO needs a group), got "
+                             f"{self.group_size}.")
+        for name in ("max_response_len", "page_tokens", "token_block", "query_block", "key_block"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"longstraw {name} must be positive, got {getattr(self, name)}.")
+        self.loss_config()  # validates the clip and KL settings
+
+    def loss_config(self) -> GRPOLossConfig:
+        return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                              kl_coef=self.kl_coef)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "LongStrawConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown longstraw settings {unknown}; known: {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "LongStrawConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.from_dict(data.get("longstraw", {}))

@@ -1,0 +1,60 @@
+"""Model-family-independent access to a Megatron `HybridModel`: embedding, decoder layers grouped the
+way the model's checkpoints define a layer (one mixer symbol plus the FFN symbols after it), and the
+LM head. Capture and replay drive the model through these, layer by layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIXERS = {"M", "G", "*", "D", "+"}  # symbols that read other tokens (attention / recurrence)
+
+
+def decoder_groups(model) -> list[list[torch.nn.Module]]:
+    """Stack layers grouped per decoder layer: `D-` / `DE` (GLM-5.2), `G-` / `*-` (Qwen3.6)."""
+    groups: list[list[torch.nn.Module]] = []
+    for symbol, layer in zip(model.decoder.layer_type_list, model.decoder.layers):
+        if symbol in MIXERS or not groups:
+            groups.append([])
+        groups[-1].append(layer)
+    return groups
+
+
+def is_mixer(layer) -> bool:
+    return hasattr(layer, "self_attention") and not _is_identity(layer.self_attention)
+
+
+def _is_identity(module) -> bool:
+    return type(module).__name__ == "IdentityOp"
+
+
+def run_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
+    """One HybridStack layer on [s, 1, h]."""
+    out = layer(hidden_states=hidden, attention_mask=None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def run_group(group, hidden: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
+    """One decoder layer. FFN/MoE symbols are token-wise: with `token_block` they run chunk by chunk
+    so their intermediates (MoE dispatch buffers, FFN activations) stay O(token_block)."""
+    for layer in group:
+        if is_mixer(layer) or token_block is None or hidden.shape[0] <= token_block:
+            hidden = run_layer(layer, hidden)
+        else:
+            hidden = torch.cat([run_layer(layer, chunk) for chunk in hidden.split(token_block)])
+    return hidden
+
+
+def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids [s] -> hidden [s, 1, h]."""
+    return model.embedding(input_ids=input_ids[None, :], position_ids=None)
+
+
+def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Final norm + output layer + log-softmax at the targets. hidden [s, 1, h], targets [s] -> [s]
+    (float32 or wider)."""
+    hidden = model.decoder.final_norm(hidden)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=weight)
+    logits = logits[:, 0].to(torch.promote_types(logits.dtype, torch.float32))
+    return F.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -1,0 +1,271 @@
+"""Hugging Face interop for GLM-5.2: `GlmMoeDsaConfig` <-> `GLM52Config`, and state dicts of
+transformers' `GlmMoeDsaForCausalLM` <-> our Megatron `HybridModel` (see `model.build_glm52_model`).
+
+Megatron layout: decoder layer i is HybridStack symbol 2i (attention: `input_layernorm`,
+`self_attention.*`, the DSA indexer under `self_attention.core_attention.indexer`) and symbol 2i + 1
+(FFN: `pre_mlp_layernorm`, `mlp.*`). Fused gated projections keep rows `[gate; up]` on both sides
+(Megatron's GLU applies the activation to the first half of `linear_fc1`'s output; transformers'
+experts do `gate, up = linear(x, gate_up_proj[e]).chunk(2)`). Routed experts are one Megatron
+module each (`experts.local_experts.e`) and one slice of HF's stacked `[E, ...]` tensors.
+Only expert-parallel size 1 is supported (every rank must hold all experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from megatron_longstraw.models.glm52.config import GLM52Config, has_own_indexer
+
+if TYPE_CHECKING:
+    from transformers import GlmMoeDsaConfig
+
+_SAME_NAME_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+    "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
+    "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings",
+)
+_HF_INDEXER_NORM_EPS = 1e-6  # transformers' GlmMoeDsaIndexer.k_norm (hard-coded)
+
+
+def _check_representable(cfg: GLM52Config) -> None:
+    """Raise if `cfg` uses a switch that transformers' GLM-MoE-DSA cannot express."""
+    problems = []
+    if not cfg.indexer_score_relu:
+        problems.append("indexer_score_relu=False (transformers always applies ReLU)")
+    if not cfg.indexer_rope_interleaved:
+        problems.append("indexer_rope_interleaved=False (transformers' indexer RoPE is interleaved)")
+    if cfg.indexer_norm_eps != _HF_INDEXER_NORM_EPS:
+        problems.append(f"indexer_norm_eps={cfg.indexer_norm_eps} (transformers uses 1e-6)")
+    if not cfg.norm_topk_prob:
+        problems.append("norm_topk_prob=False (Megatron's sigmoid router always normalises)")
+    if problems:
+        raise ValueError("GLM52Config has no transformers equivalent: " + "; ".join(problems) + ".")
+
+
+def hf_config(cfg: GLM52Config, attn_implementation: str = "eager",
+              experts_implementation: str = "eager") -> "GlmMoeDsaConfig":
+    """transformers `GlmMoeDsaConfig` describing the same model as `cfg`. The defaults pick the
+    plain-PyTorch attention and expert loops (they run in float64 on CPU; `grouped_mm` does not)."""
+    from transformers import GlmMoeDsaConfig
+
+    _check_representable(cfg)
+    hf = GlmMoeDsaConfig(
+        **{name: getattr(cfg, name) for name in _SAME_NAME_FIELDS},
+        num_key_value_heads=cfg.num_attention_heads,
+        hidden_act="silu",
+        attention_bias=False,
+        initializer_range=cfg.init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        index_topk_freq=cfg.index_topk_freq,
+        index_skip_topk_offset=cfg.index_skip_topk_offset,
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+    )
+    if list(hf.indexer_types) != cfg.indexer_types():
+        raise AssertionError(f"transformers' indexer_types {hf.indexer_types} differ from "
+                             f"GLM52Config.indexer_types() {cfg.indexer_types()}.")
+    return hf
+
+
+def _freq_offset_for(indexer_types: list[str]) -> tuple[int, int]:
+    """(index_topk_freq, index_skip_topk_offset) whose IndexShare rule reproduces `indexer_types`."""
+    n = len(indexer_types)
+    for freq in range(1, n + 1):
+        for offset in range(0, n + 1):
+            if all((kind == "full") == has_own_indexer(i, freq, offset)
+                   for i, kind in enumerate(indexer_types)):
+                return freq, offset
+    raise ValueError(f"indexer_types {indexer_types} is not an IndexShare pattern "
+                     "('full' iff max(i - offset + 1, 0) % freq == 0) for any freq/offset; "
+                     "GLM52Config cannot represent it.")
+
+
+def glm52_config_from_hf(hf_cfg: "GlmMoeDsaConfig | Mapping[str, Any]") -> GLM52Config:
+    """`GLM52Config` from a transformers `GlmMoeDsaConfig` or a checkpoint's `config.json` dict.
+
+    The IndexShare schedule comes from `index_topk_freq`/`index_skip_topk_offset` when present,
+    otherwise it is derived from `indexer_types` (ValueError if no freq/offset reproduces it).
+    Raises ValueError for settings our Megatron model does not implement."""
+    from transformers import GlmMoeDsaConfig
+
+    if isinstance(hf_cfg, Mapping):
+        hf_cfg = GlmMoeDsaConfig.from_dict(dict(hf_cfg))  # applies transformers' defaults/legacy keys
+    get = lambda name, default=None: getattr(hf_cfg, name, default)  # noqa: E731
+    problems = []
+    rope = dict(get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type={rope.get('rope_type')!r} (only 'default' RoPE)")
+    for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                       ("num_key_value_heads", get("num_attention_heads")),
+                       ("scoring_func", "sigmoid"), ("indexer_rope_interleave", True)):
+        value = get(name, want)
+        if value != want:
+            problems.append(f"{name}={value!r} (need {want!r})")
+    if get("q_lora_rank") is None:
+        problems.append("q_lora_rank=None (the query down-projection is required)")
+    layers = get("num_hidden_layers")
+    first_dense = get("first_k_dense_replace")
+    mlp_types = list(get("mlp_layer_types") or [])
+    if mlp_types and mlp_types != ["dense"] * first_dense + ["sparse"] * (layers - first_dense):
+        problems.append(f"mlp_layer_types {mlp_types} is not first_k_dense_replace={first_dense} "
+                        "dense layers followed by MoE layers")
+    if problems:
+        raise ValueError("transformers GLM-MoE-DSA config not supported: " + "; ".join(problems) + ".")
+
+    indexer_types = list(get("indexer_types"))
+    freq, offset = get("index_topk_freq"), get("index_skip_topk_offset")
+    if freq is None or offset is None:
+        freq, offset = _freq_offset_for(indexer_types)
+    cfg = GLM52Config(
+        **{name: get(name) for name in _SAME_NAME_FIELDS},
+        index_topk_freq=freq,
+        index_skip_topk_offset=offset,
+        rope_theta=float(rope.get("rope_theta", GLM52Config.rope_theta)),
+        init_std=get("initializer_range", GLM52Config.init_std),
+        indexer_norm_eps=_HF_INDEXER_NORM_EPS,
+    )
+    if cfg.indexer_types() != indexer_types:
+        raise ValueError(f"index_topk_freq={freq}, index_skip_topk_offset={offset} give "
+                         f"{cfg.indexer_types()}, but the config's indexer_types is {indexer_types}.")
+    return cfg
+
+
+# ---- state dicts --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One HF <-> Megatron correspondence. kind 'copy': meg[0] == hf[0]; 'cat': meg[0] ==
+    cat(hf[0], hf[1]) on dim 0 (gate, up); 'stack': hf[0] == stack(meg) (routed experts)."""
+
+    kind: str
+    meg: tuple[str, ...]
+    hf: tuple[str, ...]
+
+
+def _mapping(cfg: GLM52Config) -> list[_Entry]:
+    """Every tensor correspondence of a GLM-5.2 model described by `cfg`."""
+    copy = lambda meg, hf: _Entry("copy", (meg,), (hf,))  # noqa: E731
+    entries = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+               copy("decoder.final_norm.weight", "model.norm.weight")]
+    if not cfg.tie_word_embeddings:
+        entries.append(copy("output_layer.weight", "lm_head.weight"))
+    for i in range(cfg.num_hidden_layers):
+        a, f, h = f"decoder.layers.{2 * i}", f"decoder.layers.{2 * i + 1}", f"model.layers.{i}"
+        sa, attn = f"{a}.self_attention", f"{h}.self_attn"
+        entries += [copy(f"{a}.input_layernorm.weight", f"{h}.input_layernorm.weight"),
+                    copy(f"{f}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight")]
+        for meg, hf in (("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
+                        ("linear_q_up_proj", "q_b_proj"), ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+                        ("kv_layernorm", "kv_a_layernorm"), ("linear_kv_up_proj", "kv_b_proj"),
+                        ("linear_proj", "o_proj")):
+            entries.append(copy(f"{sa}.{meg}.weight", f"{attn}.{hf}.weight"))
+        if cfg.has_own_indexer(i):
+            ix, hix = f"{sa}.core_attention.indexer", f"{attn}.indexer"
+            for meg, hf in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
+                            ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
+                            ("linear_weights_proj.weight", "weights_proj.weight")):
+                entries.append(copy(f"{ix}.{meg}", f"{hix}.{hf}"))
+        mlp, hmlp = f"{f}.mlp", f"{h}.mlp"
+        gated = lambda meg, hf: [  # noqa: E731
+            _Entry("cat", (f"{meg}.linear_fc1.weight",), (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")),
+            copy(f"{meg}.linear_fc2.weight", f"{hf}.down_proj.weight")]
+        if not cfg.is_moe_layer(i):
+            entries += gated(mlp, hmlp)
+            continue
+        experts = range(cfg.n_routed_experts)
+        entries += [
+            copy(f"{mlp}.router.weight", f"{hmlp}.gate.weight"),
+            copy(f"{mlp}.router.expert_bias", f"{hmlp}.gate.e_score_correction_bias"),
+            _Entry("stack", tuple(f"{mlp}.experts.local_experts.{e}.linear_fc1.weight" for e in experts),
+                   (f"{hmlp}.experts.gate_up_proj",)),
+            _Entry("stack", tuple(f"{mlp}.experts.local_experts.{e}.linear_fc2.weight" for e in experts),
+                   (f"{hmlp}.experts.down_proj",)),
+            *gated(f"{mlp}.shared_experts", f"{hmlp}.shared_experts"),
+        ]
+    return entries
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
+def _megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters plus the routers' `expert_bias` buffers (the other buffers are statistics)."""
+    model = _unwrap(model)
+    tensors = dict(model.named_parameters())
+    tensors.update((name, buf) for name, buf in model.named_buffers()
+                   if name.endswith("router.expert_bias"))
+    return tensors
+
+
+def _check_names(kind: str, expected: set[str], present: set[str]) -> None:
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise KeyError(f"{kind} names do not match the GLM-5.2 mapping: missing {len(missing)} "
+                       f"{missing[:20]}; unexpected {len(unexpected)} {unexpected[:20]}.")
+
+
+def to_hf_state_dict(model: torch.nn.Module, cfg: GLM52Config) -> dict[str, torch.Tensor]:
+    """transformers `GlmMoeDsaForCausalLM` state dict of our model (no `lm_head.weight` when the
+    embeddings are tied). 1:1 tensors are detached views sharing storage with the model."""
+    meg = _megatron_tensors(model)
+    entries = _mapping(cfg)
+    _check_names("Megatron model", {n for e in entries for n in e.meg}, set(meg))
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        tensors = [meg[n].detach() for n in e.meg]
+        if e.kind == "copy":
+            out[e.hf[0]] = tensors[0]
+        elif e.kind == "cat":
+            gate, up = tensors[0].chunk(2, dim=0)
+            out[e.hf[0]], out[e.hf[1]] = gate, up
+        else:
+            out[e.hf[0]] = torch.stack(tensors)
+    return out
+
+
+def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                       cfg: GLM52Config) -> None:
+    """Load a transformers `GlmMoeDsaForCausalLM` state dict into our model in place (strict).
+
+    Every Megatron parameter and router `expert_bias` must be covered and every HF key consumed
+    (filter e.g. MTP layers `model.layers.{num_hidden_layers}.*` first); with tied embeddings an
+    `lm_head.weight` equal to the embedding is accepted. Names and shapes are all checked before
+    anything is written. Values are cast to each target tensor's dtype."""
+    hf_sd = dict(hf_sd)
+    entries = _mapping(cfg)
+    if cfg.tie_word_embeddings and "lm_head.weight" in hf_sd:
+        lm_head = hf_sd.pop("lm_head.weight")
+        if not torch.equal(lm_head, hf_sd.get("model.embed_tokens.weight", lm_head)):
+            raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
+                             "model.embed_tokens.weight.")
+    _check_names("HF state dict", {n for e in entries for n in e.hf}, set(hf_sd))
+    meg = _megatron_tensors(model)
+    _check_names("Megatron model", {n for e in entries for n in e.meg}, set(meg))
+    writes: list[tuple[str, torch.Tensor]] = []
+    for e in entries:
+        src = [hf_sd[n] for n in e.hf]
+        if e.kind == "copy":
+            writes.append((e.meg[0], src[0]))
+        elif e.kind == "cat":
+            writes.append((e.meg[0], torch.cat(src, dim=0)))
+        else:
+            if src[0].shape[0] != len(e.meg):
+                raise ValueError(f"{e.hf[0]} has {src[0].shape[0]} experts, the model {len(e.meg)}.")
+            writes += list(zip(e.meg, src[0].unbind(0)))
+    bad = [f"{name}: HF {tuple(v.shape)} vs Megatron {tuple(meg[name].shape)}"
+           for name, v in writes if v.shape != meg[name].shape]
+    if bad:
+        raise ValueError(f"shape mismatch for {len(bad)} tensors: {bad[:20]}.")
+    with torch.no_grad():
+        for name, value in writes:
+            meg[name].copy_(value)

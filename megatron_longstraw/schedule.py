@@ -1,0 +1,170 @@
+"""The LongStraw GRPO step (DESIGN section 2), in Megatron's forward-backward-function style.
+
+    capture(prompt)                         no autograd; pages hold what responses read
+    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
+    for i in 1..G: replay(i); backward      one member's graph alive at a time
+    finalize grads; optimizer.step()        once (train_step)
+
+`forward_backward_longstraw` does everything up to the gradients (like Megatron's
+`forward_backward_no_pipelining`); `train_step` adds finalisation and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_longstraw.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.grpo import group_advantages, member_loss, validate_group
+from megatron_longstraw.kernels import select
+from megatron_longstraw.replay import replay_member, score_member
+
+
+@dataclass
+class GRPOGroup:
+    """One prompt and its group of responses."""
+
+    prompt_ids: torch.Tensor
+    """[P] token ids of the shared prompt."""
+    response_ids: list[torch.Tensor]
+    """G tensors [R_i] of response token ids."""
+    rewards: torch.Tensor
+    """[G] scalar rewards."""
+    logps_old: list[torch.Tensor] | None = None
+    """Optional [R_i] log-probs from the inference engine that sampled the responses; when given
+    they are the PPO ratio's denominator (else the pre-step scoring pass provides it)."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Total GRPO loss of the group (sum of member shares)."""
+    stats: dict[str, float]
+    """Mean reward, advantages, ratio and clip statistics, KL."""
+    logps: list[torch.Tensor]
+    """Per-member per-token log-probs from replay (current parameters)."""
+    logps_old: list[torch.Tensor]
+    """Per-member per-token log-probs from pre-step scoring."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of capture, scoring, replay."""
+    page_bytes: int = 0
+    """Bytes of captured prompt state (all pages, this rank)."""
+
+
+def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
+    """Reject bad input with a clear message before any work starts."""
+    vocab = model.vocab_size
+    if group.prompt_ids.dim() != 1 or group.prompt_ids.numel() == 0:
+        raise ValueError("The prompt must be a non-empty 1-D tensor of token ids, got shape "
+                         f"{tuple(group.prompt_ids.shape)}.")
+    responses = [torch.as_tensor(r) for r in group.response_ids]
+    validate_group([int(r.numel()) for r in responses], group.rewards, cfg.max_response_len)
+    if len(responses) != cfg.group_size:
+        raise ValueError(f"Got a group of {len(responses)} responses but --longstraw-group-size is "
+                         f"{cfg.group_size}; pass every member of the group or change the flag.")
+    for name, ids in [("prompt", group.prompt_ids)] + [(f"response {i}", r) for i, r in enumerate(responses)]:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: token ids must be int32/int64, got {ids.dtype}.")
+        bad = ((ids < 0) | (ids >= vocab)).nonzero().flatten()
+        if bad.numel():
+            pos = int(bad[0])
+            raise ValueError(f"{name}: token id {int(ids[pos])} at position {pos} is outside the "
+                             f"vocabulary [0, {vocab}); check the tokenizer matches the model.")
+    if group.logps_old is not None:
+        for i, (lp, r) in enumerate(zip(group.logps_old, responses)):
+            if lp.shape != r.shape or not torch.isfinite(lp).all():
+                raise ValueError(f"response {i}: old log-probs must be finite with shape "
+                                 f"{tuple(r.shape)}, got shape {tuple(lp.shape)}.")
+
+
+def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
+                               forward_only: bool = False) -> StepResult:
+    """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
+
+    `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
+    prompt state differs); required when cfg.kl_coef > 0.
+    """
+    validate_inputs(model, group, cfg)
+    if cfg.kl_coef > 0 and ref_model is None:
+        raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
+                         "--longstraw-kl-coef 0).")
+    select.use(cfg.kernels)
+    timings: dict[str, float] = {}
+
+    captured = capture_prompt(model, group.prompt_ids, cfg)
+    ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
+    timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
+
+    start = time.perf_counter()
+    scored = [score_member(model, captured, r, cfg) for r in group.response_ids]
+    logps_old = group.logps_old or [lp for lp, _ in scored]
+    logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
+                 if ref_captured is not None else None)
+    timings["scoring"] = time.perf_counter() - start
+
+    advantages = group_advantages(group.rewards.to(torch.float64))
+    num_members = len(group.response_ids)
+    loss_cfg = cfg.loss_config()
+    start = time.perf_counter()
+    total, logps, member_stats = 0.0, [], []
+    for i, response in enumerate(group.response_ids):
+        loss_fn = functools.partial(_member_loss, logp_old=logps_old[i], advantage=advantages[i],
+                                    num_members=num_members, cfg=loss_cfg,
+                                    logp_ref=logps_ref[i] if logps_ref else None)
+        if forward_only:
+            logp = scored[i][0]
+            loss, stats = loss_fn(logp)
+        else:
+            logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg, loss_fn)
+        total += float(loss)
+        logps.append(logp)
+        member_stats.append(stats)
+    timings["replay"] = time.perf_counter() - start
+
+    stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    page_bytes = captured.pages.nbytes() + (ref_captured.pages.nbytes() if ref_captured else 0)
+    return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
+                      phase_seconds=timings, page_bytes=page_bytes)
+
+
+def _member_loss(logp, *, logp_old, advantage, num_members, cfg, logp_ref):
+    return member_loss(logp, logp_old.to(logp.dtype), advantage, num_members, cfg,
+                       logp_ref=None if logp_ref is None else logp_ref.to(logp.dtype))
+
+
+def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
+    """Token-weighted means of the per-member statistics plus group-level reward figures."""
+    total = float(sum(lengths))
+    def mean(key):
+        return sum(float(s[key]) * n for s, n in zip(member_stats, lengths)) / total
+    return {
+        "reward_mean": float(rewards.double().mean()),
+        "reward_std": float(rewards.double().std(unbiased=False)),
+        "advantage_abs_mean": float(advantages.abs().mean()),
+        "clip_frac": mean("clip_frac"),
+        "ratio_mean": mean("ratio_mean"),
+        "ratio_max": max(float(s["ratio_max"]) for s in member_stats),
+        "ratio_min": min(float(s["ratio_min"]) for s in member_stats),
+        "kl": mean("kl"),
+    }
+
+
+def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
+               finalize_grads=None, max_grad_norm: float | None = None) -> StepResult:
+    """One GRPO update: zero grads, forward_backward_longstraw, finalize, one optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    result = forward_backward_longstraw(model, group, cfg, ref_model=ref_model)
+    if finalize_grads is not None:
+        finalize_grads(model)
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if max_grad_norm is not None:
+        result.stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    else:
+        result.stats["grad_norm"] = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params]))) if params else 0.0
+    optimizer.step()
+    return result
