@@ -317,9 +317,13 @@ class PageStore:
         """Hook for exact prompt-gradient mode: the fetched state as a fresh ``requires_grad`` leaf.
 
         Replay reads the leaf instead of the plain fetch; after backward, :meth:`grad` returns
-        d(loss)/d(state), to be pushed back through the prompt. CPU leaves are copies (never
+        d(loss)/d(state), to be pushed back through the prompt. Repeated calls return the same leaf,
+        so the gradient is the sum over every member replayed (and every checkpoint recompute). CPU leaves are copies (never
         aliases of the pages).
         """
+        existing = self._leaves.get((layer_idx, kind))
+        if existing is not None and existing.device == torch.device(device):
+            return existing  # one leaf per state: gradients accumulate across members and recomputes
         t = self.fetch(layer_idx, kind, device)
         t = t.detach().clone() if t.device.type == "cpu" else t.detach()
         t.requires_grad_(True)

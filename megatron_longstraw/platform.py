@@ -139,6 +139,54 @@ class _CPUStream:
 _CPU_STREAM = _CPUStream()
 
 
+_FP64_ROUTING = False
+
+
+def enable_fp64_routing() -> None:
+    """Keep MoE sigmoid routing in float64 when the model runs in float64 (reference precision).
+
+    Megatron-Core 0.19.2 `moe_utils.topk_routing_with_score_function` computes sigmoid scores as
+    `torch.sigmoid(logits.float())`, whatever the logits' dtype. In a float64 model that rounds the
+    routing weights to float32 (~6e-8 relative), so two float64 computations of the same token that
+    differ in the last bit of a logit can differ by ~1e-10 downstream: too coarse for fp64 parity
+    tests. This wrapper applies only to float64 logits with sigmoid scores and no group limit,
+    replay or precomputed indices, and computes exactly Megatron's formula (top-k of
+    sigmoid + expert_bias, weights sigmoid at the chosen experts normalised and scaled) in float64.
+    Everything else, bf16 and fp32 training included, calls Megatron's function unchanged.
+    """
+    global _FP64_ROUTING
+    if _FP64_ROUTING:
+        return
+    _FP64_ROUTING = True
+    from megatron.core.transformer.moe import moe_utils, router
+
+    original = moe_utils.topk_routing_with_score_function
+
+    def routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
+                scaling_factor=None, score_function="softmax", expert_bias=None, fused=False,
+                router_replay=None, dense_output=False, precomputed_indices=None):
+        if (logits.dtype != torch.float64 or score_function != "sigmoid" or fused
+                or (num_groups or 1) > 1 or router_replay is not None
+                or precomputed_indices is not None):
+            return original(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                            score_function, expert_bias, fused, router_replay, dense_output,
+                            precomputed_indices)
+        scores = torch.sigmoid(logits)
+        choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
+        top_indices = torch.topk(choice, k=topk, dim=1).indices
+        probs = scores.gather(1, top_indices)
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else probs
+        if scaling_factor:
+            probs = probs * scaling_factor
+        if dense_output:
+            return probs, top_indices
+        routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+        routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+        return routing_probs, routing_map
+
+    router.topk_routing_with_score_function = routing
+
+
 def apply() -> None:
     """Install the CPU adaptations once per process when CUDA is unavailable (idempotent)."""
     global _APPLIED

@@ -41,6 +41,11 @@ class AttentionPass:
     Filled by the layers that compute a selection; IndexShare layers read their source layer's."""
     reuse_selections: bool = False
     """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
+    prompt_state_grad: bool = False
+    """Read prompt pages as `requires_grad` leaves (`PageStore.leaf`) so that d loss / d state is
+    available after backward: the hook for the exact prompt-gradient mode (DESIGN section 7)."""
+    used_selections: Optional[dict[int, torch.Tensor]] = None
+    """When a dict, every layer records the top-k it attended with (tests, diagnostics)."""
     query_block: int = 1024
     """Queries per attention block (bounds the gathered `[block, k, d]` rows)."""
     key_block: int = 4096

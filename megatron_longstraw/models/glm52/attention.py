@@ -89,7 +89,8 @@ class LongStrawMLASelfAttention(MLASelfAttention):
         # Keys: captured prompt rows (constants) followed by the current tokens' rows.
         key_latents, key_index, key_positions = own_latents, own_index_keys, state.positions
         if state.mode == "replay" and state.prefix_len > 0:
-            prefix_latents = state.pages.fetch(core.layer_idx, LATENT, x.device)
+            read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
+            prefix_latents = read(core.layer_idx, LATENT, x.device)
             key_latents = torch.cat([prefix_latents.to(own_latents.dtype), own_latents])
             if own_index_keys is not None:
                 prefix_index = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
@@ -165,6 +166,10 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                            self._rope(q_pe, positions, interleaved=True)], dim=-1)
 
         selection = self._selection(x, q_compressed, state, start, end, key_index, key_positions)
+        if state.used_selections is not None:
+            used = state.used_selections.get(core.layer_idx)
+            state.used_selections[core.layer_idx] = (
+                selection if start == 0 or used is None else torch.cat([used, selection]))
         out_latent, _ = kernels.sparse_mla_attention(query, key_latents, selection,
                                                      self.softmax_scale, cfg.kv_lora_rank)
         return torch.einsum("shr,hvr->shv", out_latent, w_uv)
@@ -197,6 +202,8 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 key_block=state.key_block)
         # Selections are indices into [prefix; current] keys; stored per layer for IndexShare and
         # for indexer replay, growing block by block.
+        if state.mode == "capture" and start == 0:
+            selections.clear()  # capture keeps one [P, k] selection: the latest full layer's
         previous = selections.get(core.layer_idx)
         selections[core.layer_idx] = idx if start == 0 or previous is None else torch.cat([previous, idx])
         return idx

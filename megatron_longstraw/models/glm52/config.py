@@ -141,6 +141,18 @@ class GLM52Config:
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 
+    def num_full_indexer_layers(self) -> int:
+        return sum(self.has_own_indexer(i) for i in range(self.num_hidden_layers))
+
+    def page_bytes_per_token(self, latent_bytes: float = 2, index_key_bytes: float = 2) -> float:
+        """Captured state per prompt token (DESIGN section 9): one MLA latent row
+        `[c_kv; k_pe]` per layer plus one index-key row per full indexer layer.
+        `latent_bytes` / `index_key_bytes` are bytes per element (bf16: 2; fp8 keys with one fp32
+        scale per row: 1 + 4 / index_head_dim)."""
+        latent = self.num_hidden_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * latent_bytes
+        index = self.num_full_indexer_layers() * self.index_head_dim * index_key_bytes
+        return latent + index
+
     def hybrid_layer_pattern(self) -> str:
         """Megatron `HybridModel` pattern: `D-` per dense layer, `DE` per MoE layer."""
         return "".join("DE" if self.is_moe_layer(i) else "D-"
@@ -184,7 +196,7 @@ class GLM52Config:
             moe_router_pre_softmax=False,
             moe_router_num_groups=self.n_group if self.n_group > 1 else None,
             moe_router_group_topk=self.topk_group if self.n_group > 1 else None,
-            moe_router_dtype="fp32",
+            moe_router_dtype="fp64" if params_dtype == torch.float64 else "fp32",
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,

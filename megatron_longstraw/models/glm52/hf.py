@@ -44,6 +44,9 @@ def _check_representable(cfg: GLM52Config) -> None:
         problems.append(f"indexer_norm_eps={cfg.indexer_norm_eps} (transformers uses 1e-6)")
     if not cfg.norm_topk_prob:
         problems.append("norm_topk_prob=False (Megatron's sigmoid router always normalises)")
+    elif cfg.num_experts_per_tok == 1:
+        problems.append("num_experts_per_tok=1 (transformers normalises the single weight to 1, "
+                        "Megatron keeps the sigmoid score)")
     if problems:
         raise ValueError("GLM52Config has no transformers equivalent: " + "; ".join(problems) + ".")
 

@@ -15,6 +15,8 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
     """A `HybridModel` with pattern `D-D-D-` + `DE` x (L - 3). Model-parallel state and RNG must be
     initialised (`parallel.initialize`); on CPU, `platform.apply()` runs first."""
     platform.apply()
+    if params_dtype == torch.float64:
+        platform.enable_fp64_routing()
     tcfg = cfg.to_transformer_config(params_dtype=params_dtype, qk_layernorm=True,
                                      **parallel_overrides)
     model = HybridModel(

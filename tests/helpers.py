@@ -1,0 +1,71 @@
+"""Shared builders for the tests: the tiny GLM-5.2 example config, models with reproducible random
+weights (router correction bias included), and full-sequence references built without the
+capture/replay code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_longstraw.models.glm52.config import GLM52Config
+from megatron_longstraw.platform import manual_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GLM = ROOT / "examples" / "glm52" / "tiny.yaml"
+
+
+def tiny_glm_config(**overrides) -> GLM52Config:
+    cfg = GLM52Config.from_yaml(TINY_GLM)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_tiny_glm(dtype=torch.float64, seed: int = 0, **overrides):
+    from megatron_longstraw.models.glm52.model import build_glm52_model
+
+    manual_seed(seed)
+    cfg = tiny_glm_config(**overrides)
+    model = build_glm52_model(cfg, params_dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):  # non-trivial routing correction, as in a checkpoint
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen, dtype=buf.dtype))
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return cfg, model
+
+
+def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor,
+                           detach_prompt_state: bool = False) -> torch.Tensor:
+    """Log-probs [R] of `response` after `prompt` from one plain Megatron forward of the whole
+    sequence (no LongStraw pass installed; gradients follow autograd's defaults).
+
+    detach_prompt_state: detach, at every layer, the MLA latent rows `[kv_norm(c_kv); rope(k_pe)]`
+    of the tokens before the prompt's last one, i.e. the state LongStraw captures: the
+    `linear_kv_down_proj` output rows (k_pe) and the `kv_layernorm` output rows (c_kv). The indexer
+    runs without autograd anyway, so this is exactly the conditional gradient at fixed prompt state.
+    """
+    ids = torch.cat([prompt, response])
+    num_captured = prompt.numel() - 1
+    hooks = []
+    if detach_prompt_state:
+        def detach_rows(module, args, output):
+            if isinstance(output, tuple):  # Megatron linear: (output [s, 1, n], bias)
+                out, bias = output
+                return torch.cat([out[:num_captured].detach(), out[num_captured:]]), bias
+            return torch.cat([output[:num_captured].detach(), output[num_captured:]])
+        for name, module in model.named_modules():
+            if name.endswith("linear_kv_down_proj") or name.endswith("kv_layernorm"):
+                hooks.append(module.register_forward_hook(detach_rows))
+    try:
+        logits = model(ids[None], None, None)[0]                # [S, V]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    start = prompt.numel() - 1
+    return logp[start:start + response.numel()].gather(-1, response[:, None]).squeeze(-1)
