@@ -202,12 +202,8 @@ def test_logits_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result["diff"] <= TOL, result["diff"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Known discrepancy: transformers builds q_a_layernorm / kv_a_layernorm with eps=1e-6 "
-    "regardless of rms_norm_eps; our spec uses layernorm_epsilon (= rms_norm_eps = 1e-5 for "
-    "GLM-5.2), ~3e-5 in log-probs here. Remove this marker once the spec builds the latent norms "
-    "with eps 1e-6."))
 def test_latent_norm_eps_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-5.2's rms_norm_eps is 1e-5, but its latent norms use 1e-6 (`latent_norm_eps`)."""
     cfg = GLM52Config(**{**TINY, "rms_norm_eps": 1e-5})
     result = _compare(cfg, monkeypatch)
     assert not result["mismatched"] and result["diff"] <= TOL, result["diff"]

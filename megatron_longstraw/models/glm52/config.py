@@ -92,6 +92,10 @@ class GLM52Config:
     """Epsilon of every RMSNorm."""
     indexer_norm_eps: float = 1e-6
     """Epsilon of the indexer's key LayerNorm."""
+    latent_norm_eps: float = 1e-6
+    """Epsilon of the MLA latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): transformers'
+    GLM-5.2 builds them with 1e-6 whatever `rms_norm_eps` is (Megatron would use
+    `layernorm_epsilon`)."""
     rope_theta: float = 1_000_000.0
     """RoPE base."""
     max_position_embeddings: int = 202752

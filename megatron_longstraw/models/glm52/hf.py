@@ -8,6 +8,9 @@ Megatron layout: decoder layer i is HybridStack symbol 2i (attention: `input_lay
 experts do `gate, up = linear(x, gate_up_proj[e]).chunk(2)`). Routed experts are one Megatron
 module each (`experts.local_experts.e`) and one slice of HF's stacked `[E, ...]` tensors.
 Only expert-parallel size 1 is supported (every rank must hold all experts).
+
+transformers builds `q_a_layernorm` / `kv_a_layernorm` with eps 1e-6 whatever `rms_norm_eps` is;
+our spec builds the latent norms with `GLM52Config.latent_norm_eps` (default 1e-6) to match.
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ def _check_representable(cfg: GLM52Config) -> None:
         problems.append("indexer_rope_interleaved=False (transformers' indexer RoPE is interleaved)")
     if cfg.indexer_norm_eps != _HF_INDEXER_NORM_EPS:
         problems.append(f"indexer_norm_eps={cfg.indexer_norm_eps} (transformers uses 1e-6)")
+    if cfg.latent_norm_eps != _HF_INDEXER_NORM_EPS:
+        problems.append(f"latent_norm_eps={cfg.latent_norm_eps} (transformers uses 1e-6)")
     if not cfg.norm_topk_prob:
         problems.append("norm_topk_prob=False (Megatron's sigmoid router always normalises)")
     elif cfg.num_experts_per_tok == 1:
         problems.append("num_experts_per_tok=1 (transformers normalises the single weight to 1, "
                         "Megatron keeps the sigmoid score)")
+    if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
+        problems.append("n_group > 1 with num_experts_per_tok // topk_group != 2 (transformers "
+                        "scores a group by its top-2 experts, Megatron by its top-k/topk_group)")
     if problems:
         raise ValueError("GLM52Config has no transformers equivalent: " + "; ".join(problems) + ".")
 

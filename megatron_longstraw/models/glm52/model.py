@@ -21,7 +21,7 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
                                      **parallel_overrides)
     model = HybridModel(
         config=tcfg,
-        hybrid_stack_spec=glm52_stack_spec(),
+        hybrid_stack_spec=glm52_stack_spec(latent_norm_eps=cfg.latent_norm_eps),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         hybrid_layer_pattern=cfg.hybrid_layer_pattern(),

@@ -47,10 +47,22 @@ class _LocalBackend(LocalSpecProvider):
         return Linear
 
 
-def glm52_stack_spec(backend=None) -> ModuleSpec:
+def _fixed_eps_norm(norm_builder, eps: float):
+    """A norm builder that uses `eps` whatever epsilon the caller passes (MLASelfAttention passes
+    `layernorm_epsilon` to its latent norms; GLM-5.2's checkpoints use their own)."""
+
+    def build(hidden_size, config, eps_from_caller=None, **kwargs):
+        kwargs.pop("eps", None)
+        return norm_builder(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+
+    return build
+
+
+def glm52_stack_spec(backend=None, latent_norm_eps: float = 1e-6) -> ModuleSpec:
     """HybridStack spec for GLM-5.2 (`D-`/`DE` layers)."""
     backend = backend or _LocalBackend()
     rms_norm = backend.layer_norm(rms_norm=True)
+    latent_norm = _fixed_eps_norm(rms_norm, latent_norm_eps)
     attention = ModuleSpec(
         module=LongStrawMLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -75,8 +87,8 @@ def glm52_stack_spec(backend=None) -> ModuleSpec:
                 ),
             ),
             linear_proj=backend.row_parallel_linear(),
-            q_layernorm=rms_norm,
-            kv_layernorm=rms_norm,
+            q_layernorm=latent_norm,
+            kv_layernorm=latent_norm,
         ),
     )
     return ModuleSpec(
