@@ -21,6 +21,7 @@ import torch
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
 from megatron_longstraw.pages import PageStore
+from megatron_longstraw.parallel import CPLayout
 from megatron_longstraw.state import AttentionPass, attention_pass
 
 
@@ -32,26 +33,41 @@ class CapturedPrompt:
     """Tokens captured: P - 1."""
     last_token: int
     """The prompt's last token id; it opens every replayed branch."""
+    layout: CPLayout
+    """Context-parallel layout of the capture (size 1: the whole prefix is here)."""
+    positions: torch.Tensor
+    """Global positions of the rows this rank captured (its pages, in order)."""
     seconds: float
     """Wall time of the capture."""
 
 
 def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                    pages: PageStore | None = None) -> CapturedPrompt:
-    """Capture `prompt_ids` [P] (P >= 1) into `pages` (a new store by default)."""
+    """Capture `prompt_ids` [P] (P >= 1, the whole prompt on every rank) into `pages` (a new store by
+    default). Under context parallelism each rank captures its load-balanced shard."""
     start = time.perf_counter()
+    layout = CPLayout.current()
     prefix = prompt_ids[:-1]
+    num_captured = int(prefix.numel())
+    if layout.size > 1 and num_captured < 2 * layout.size:
+        raise ValueError(f"A prompt of {prompt_ids.numel()} tokens is too short for context "
+                         f"parallelism {layout.size}: it needs at least {2 * layout.size + 1}.")
+    positions = layout.prompt_positions(num_captured, device=prefix.device)
     pages = pages if pages is not None else PageStore(page_tokens=cfg.page_tokens)
-    if prefix.numel() > 0:
-        state = AttentionPass(mode="capture", pages=pages,
-                              positions=torch.arange(prefix.numel(), device=prefix.device),
-                              query_block=cfg.query_block, key_block=cfg.key_block,
-                              token_block=cfg.token_block)
+    if num_captured > 0:
+        # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
+        longest = max(CPLayout(None, layout.size, r).prompt_positions(num_captured).numel()
+                      for r in range(layout.size))
+        num_chunks = -(-longest // cfg.token_block)
+        state = AttentionPass(mode="capture", pages=pages, positions=positions, cp=layout,
+                              global_len=num_captured, query_block=cfg.query_block,
+                              key_block=cfg.key_block, token_block=cfg.token_block)
         with torch.no_grad(), attention_pass(state):
-            hidden = embed(model, prefix)                       # [P-1, 1, h]
+            hidden = embed(model, prefix[positions])                # [n_local, 1, h]
             for group in decoder_groups(model):
-                hidden = run_group(group, hidden, token_block=cfg.token_block)
+                hidden = run_group(group, hidden, num_chunks)
         del hidden
         state.selections.clear()
-    return CapturedPrompt(pages=pages, prefix_len=int(prefix.numel()),
-                          last_token=int(prompt_ids[-1]), seconds=time.perf_counter() - start)
+    return CapturedPrompt(pages=pages, prefix_len=num_captured, last_token=int(prompt_ids[-1]),
+                          layout=layout, positions=positions,
+                          seconds=time.perf_counter() - start)

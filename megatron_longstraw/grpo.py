@@ -103,6 +103,8 @@ def member_loss(
     num_members: int,
     cfg: GRPOLossConfig,
     logp_ref: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)``.
 
@@ -113,6 +115,10 @@ def member_loss(
         num_members: G, the group size.
         cfg: loss config.
         logp_ref: [R_i] reference-policy log-probs; required if ``cfg.kl_coef > 0``.
+        num_tokens: R_i when ``logp`` holds only this rank's share of the member's tokens
+            (context parallelism: the shares' losses then sum to the member's loss); default
+            ``logp.numel()``. A share may be empty (its loss is an exact zero with a graph).
+        loss_scale: 1/N when one optimizer step averages N groups (data parallelism).
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d tensor; summing it over the G members
@@ -122,7 +128,7 @@ def member_loss(
         clipped term is the (strictly smaller) active one, ``ratio_mean/max/min``.
         So ``loss == (policy_loss + kl_coef * kl) / G``.
     """
-    if logp.dim() != 1 or logp.numel() == 0:
+    if logp.dim() != 1 or (logp.numel() == 0 and num_tokens is None):
         raise ValueError(f"logp must be a non-empty 1-D [R_i] tensor, got shape {tuple(logp.shape)}.")
     if logp_old.shape != logp.shape:
         raise ValueError(f"logp_old shape {tuple(logp_old.shape)} != logp shape {tuple(logp.shape)}.")
@@ -136,7 +142,9 @@ def member_loss(
     dtype = torch.promote_types(logp.dtype, torch.float32)  # never do the loss math in bf16
     lp = logp.to(dtype)
     adv = torch.as_tensor(advantage, dtype=dtype, device=lp.device).detach()
-    num_tokens = lp.numel()
+    num_tokens = lp.numel() if num_tokens is None else num_tokens
+    if num_tokens <= 0 or num_tokens < lp.numel():
+        raise ValueError(f"num_tokens={num_tokens} must be positive and cover logp ({lp.numel()}).")
 
     ratio = torch.exp(lp - logp_old.detach().to(dtype))  # [R_i]
     unclipped = ratio * adv
@@ -151,13 +159,14 @@ def member_loss(
 
     # 1/G: the group loss is the mean over members; member losses are later plain-summed.
     loss = (policy_tok_mean + cfg.kl_coef * kl_tok_mean) / num_members
+    loss = loss * loss_scale  # 1/N groups per step (1 by default); nothing divides again later
 
     with torch.no_grad():
-        r = ratio.detach()
+        r = ratio.detach() if ratio.numel() else torch.ones(1, dtype=dtype, device=lp.device)
         stats = {
             "policy_loss": policy_tok_mean.detach(),
             "kl": kl_tok_mean.detach(),
-            "clip_frac": (clipped.detach() < unclipped.detach()).to(dtype).mean(),
+            "clip_frac": (clipped.detach() < unclipped.detach()).to(dtype).sum() / num_tokens,
             "ratio_mean": r.mean(),
             "ratio_max": r.max(),
             "ratio_min": r.min(),

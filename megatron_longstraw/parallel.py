@@ -13,9 +13,11 @@ from megatron_longstraw import platform
 
 
 def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, seed: int = 1234,
-               timeout_s: float = 600.0) -> None:
-    """Start torch.distributed (env:// rendezvous, or a one-process group when no launcher set
-    one up) and Megatron's model-parallel state with CP and EP folded on the same ranks."""
+               timeout_s: float = 600.0, init_method: str | None = None) -> None:
+    """Start torch.distributed (env:// rendezvous as torchrun sets it up, `init_method` when given,
+    or a one-process group when no launcher set one up) and Megatron's model-parallel state with CP
+    and EP folded on the same ranks. `timeout_s` bounds every collective: a rank whose peer died
+    fails within it instead of hanging."""
     from megatron.core import parallel_state as ps
 
     platform.apply()
@@ -26,8 +28,12 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if platform.has_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        kwargs = {}
+        if init_method is not None:
+            kwargs = dict(init_method=init_method, rank=int(os.environ["RANK"]),
+                          world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(platform.dist_backend(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     world = dist.get_world_size()
     if world % context_parallel_size or world % expert_parallel_size:
         raise ValueError(f"world size {world} must be divisible by the context-parallel size "
@@ -50,3 +56,276 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# ---- layout -------------------------------------------------------------------------------------
+
+
+class CPLayout:
+    """Where tokens live across the context-parallel group.
+
+    Prompt: Megatron's load-balanced order, the sequence cut into 2 * CP chunks and rank r holding
+    chunks r and 2 * CP - 1 - r (chunk sizes differ by at most one when the length does not divide).
+    Response branches: contiguous rows, padded at the end to CP * ceil(R / CP) so every rank owns
+    the same number of rows (padding tokens come last: causal masking hides them from real tokens,
+    and the loss ignores them).
+    """
+
+    def __init__(self, group=None, size: int = 1, rank: int = 0):
+        self.group, self.size, self.rank = group, size, rank
+
+    @classmethod
+    def current(cls) -> "CPLayout":
+        from megatron.core import parallel_state as ps
+
+        if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+            return cls()
+        size = ps.get_context_parallel_world_size()
+        return cls(ps.get_context_parallel_group() if size > 1 else None, size,
+                   ps.get_context_parallel_rank())
+
+    def prompt_positions(self, length: int, device=None) -> torch.Tensor:
+        """Global positions [n_local] of this rank's prompt shard, ascending."""
+        if self.size == 1:
+            return torch.arange(length, device=device)
+        bounds = torch.linspace(0, length, 2 * self.size + 1).round().long().tolist()
+        chunks = (self.rank, 2 * self.size - 1 - self.rank)
+        return torch.cat([torch.arange(bounds[c], bounds[c + 1], device=device) for c in chunks])
+
+    def branch_rows(self, length: int) -> tuple[int, int, int]:
+        """(start, end, padded_length) of this rank's rows of a response branch."""
+        per_rank = -(-length // self.size)
+        return self.rank * per_rank, (self.rank + 1) * per_rank, per_rank * self.size
+
+
+# ---- collectives --------------------------------------------------------------------------------
+
+
+class _GatherRows(torch.autograd.Function):
+    """all_gather of equal-size row blocks along dim 0; backward sums the gradient over ranks and
+    returns this rank's block (reduce-scatter; all-reduce + slice where the backend has none)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size, ctx.rank, ctx.rows = group, size, rank, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty((ctx.rows,) + grad.shape[1:], dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None, None, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows].clone(), None, None, None
+
+
+def gather_rows(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """[n, ...] per rank -> [size * n, ...] in rank order, differentiable."""
+    if layout.size == 1:
+        return x
+    return _GatherRows.apply(x, layout.group, layout.size, layout.rank)
+
+
+@torch.no_grad()
+def gather_sequence(rows: torch.Tensor, positions: torch.Tensor, total: int,
+                    layout: CPLayout) -> torch.Tensor:
+    """Assemble a sequence sharded by `positions` (no autograd): [n_local, ...] -> [total, ...] in
+    global position order, on every rank."""
+    if layout.size == 1:
+        return rows
+    counts = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(layout.size)]
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device), group=layout.group)
+    longest = int(max(c.item() for c in counts))
+    padded = rows.new_zeros((longest,) + rows.shape[1:])
+    padded[:rows.shape[0]] = rows
+    pos = positions.new_full((longest,), -1)
+    pos[:positions.shape[0]] = positions
+    all_rows = [torch.empty_like(padded) for _ in range(layout.size)]
+    all_pos = [torch.empty_like(pos) for _ in range(layout.size)]
+    dist.all_gather(all_rows, padded, group=layout.group)
+    dist.all_gather(all_pos, pos, group=layout.group)
+    out = rows.new_empty((total,) + rows.shape[1:])
+    for r, p in zip(all_rows, all_pos):
+        valid = p >= 0
+        out[p[valid]] = r[valid]
+    return out
+
+
+@torch.no_grad()
+def merge_topk_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int,
+                          layout: CPLayout) -> torch.Tensor:
+    """Global top-k from per-rank candidates. scores/positions: [s, c] (global key positions, -1 =
+    none) -> [s, k] global positions, ascending, -1 where fewer than k keys exist.
+
+    Each rank's candidates are its shard's top-k, so their union contains the global top-k; the
+    merge keeps the same order a single process uses (score, then lower position first).
+    """
+    from megatron_longstraw.kernels.refs import _top_k_stable
+
+    if layout.size > 1:
+        parts_s = [torch.empty_like(scores) for _ in range(layout.size)]
+        parts_p = [torch.empty_like(positions) for _ in range(layout.size)]
+        dist.all_gather(parts_s, scores.contiguous(), group=layout.group)
+        dist.all_gather(parts_p, positions.contiguous(), group=layout.group)
+        scores, positions = torch.cat(parts_s, 1), torch.cat(parts_p, 1)
+    scores = scores.masked_fill(positions < 0, float("-inf"))
+    order_key = torch.where(positions < 0, torch.iinfo(torch.long).max, positions)
+    order = order_key.sort(dim=1).indices                     # ascending global position
+    scores, positions = scores.gather(1, order), positions.gather(1, order)
+    if scores.shape[1] > k:
+        scores, positions = _top_k_stable(scores, positions, k)
+    return positions.masked_fill(torch.isneginf(scores), -1)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """In-place SUM all-reduce over `group` (no-op without one)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def merge_partials_by_lse(out: torch.Tensor, lse: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """Merge every rank's partial attention of the same queries over disjoint keys.
+
+    out: [s, h, d], lse: [s, h] on each rank -> merged [s, h, d] (differentiable; each rank then
+    keeps its own rows)."""
+    from megatron_longstraw.kernels.refs import merge_partial_attention
+
+    if layout.size == 1:
+        return out
+    outs = gather_rows(out[None], layout)                     # [size, s, h, d]
+    lses = gather_rows(lse[None], layout)                     # [size, s, h]
+    merged, _ = merge_partial_attention(list(outs.unbind(0)), list(lses.unbind(0)))
+    return merged
+
+
+@torch.no_grad()
+def gather_tensor(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """Non-differentiable all_gather of equal-size blocks along dim 0."""
+    if layout.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(layout.size)]
+    dist.all_gather(parts, x.contiguous(), group=layout.group)
+    return torch.cat(parts)
+
+
+# ---- expert-parallel naming ---------------------------------------------------------------------
+
+_LOCAL_EXPERT = "mlp.experts.local_experts."
+
+
+def _expert_offset() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def global_name(name: str, num_experts: int) -> str:
+    """Name of a local parameter in the single-process (EP = 1) model: local expert j on EP rank e
+    is global expert e * (num_experts / EP) + j (Megatron's contiguous expert placement)."""
+    if _LOCAL_EXPERT not in name:
+        return name
+    ep_rank, ep_size = _expert_offset()
+    head, tail = name.split(_LOCAL_EXPERT)
+    local, rest = tail.split(".", 1)
+    return f"{head}{_LOCAL_EXPERT}{ep_rank * (num_experts // ep_size) + int(local)}.{rest}"
+
+
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
+                         num_experts: int) -> None:
+    """Load a single-process state dict into an expert-parallel model (this rank's experts)."""
+    own = model.state_dict()
+    missing = [n for n in own if global_name(n, num_experts) not in full
+               and not n.endswith("_extra_state")]
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name.endswith("_extra_state"):
+                continue
+            tensor.copy_(full[global_name(name, num_experts)])
+
+
+# ---- agreement and failure ----------------------------------------------------------------------
+
+
+def check_agreement(local_error: str | None, fingerprint: dict, layout: CPLayout) -> None:
+    """Raise the same error on every rank of the CP group, before any work, when one rank's input
+    is invalid or the ranks were not given the same GRPO group."""
+    if layout.size == 1:
+        if local_error:
+            raise ValueError(local_error)
+        return
+    gathered = [None] * layout.size
+    dist.all_gather_object(gathered, (local_error, fingerprint), group=layout.group)
+    ranks = dist.get_process_group_ranks(layout.group)
+    for rank, (error, _) in zip(ranks, gathered):
+        if error:
+            raise ValueError(f"rank {rank}: {error}")
+    first = gathered[0][1]
+    for rank, (_, other) in zip(ranks, gathered):
+        if other != first:
+            diff = {k: (first[k], other[k]) for k in first if first[k] != other.get(k)}
+            raise ValueError(
+                "The ranks of a context-parallel group must all be given the same GRPO group; "
+                f"rank {ranks[0]} and rank {rank} differ in "
+                + ", ".join(f"{k} ({a} vs {b})" for k, (a, b) in diff.items()) + ".")
+
+
+_ERROR_KEY = "longstraw/first_error"
+
+
+def _store():
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: single process or not initialised
+        return None
+
+
+class fail_together:
+    """Context manager around a distributed step: the first rank to fail records its error in the
+    rendezvous store; a rank whose collective then breaks (peer gone) re-raises with that first
+    error, so every rank goes down with the cause rather than a bare connection error. The process
+    group's timeout bounds the wait."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return False
+        store = _store()
+        if store is None:
+            return False
+        message = f"rank {dist.get_rank()}: {exc_type.__name__}: {exc}"
+        try:
+            if store.check([_ERROR_KEY]):
+                first = store.get(_ERROR_KEY).decode()
+                if not first.startswith(f"rank {dist.get_rank()}:"):
+                    raise RuntimeError(f"LongStraw step aborted because {first}") from exc
+            else:
+                store.set(_ERROR_KEY, message)
+        except RuntimeError as chained:
+            if chained.__cause__ is exc:
+                raise
+        return False
+
+
+def current_sizes() -> dict:
+    """The parallel sizes of the initialised Megatron state, as TransformerConfig fields (layers
+    read them from the config: e.g. expert parameters are marked for expert-DP reduction only when
+    `expert_model_parallel_size` > 1)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {"context_parallel_size": ps.get_context_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size()}

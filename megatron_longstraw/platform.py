@@ -224,3 +224,18 @@ def apply() -> None:
     torch.cuda.default_stream = lambda *args, **kwargs: _CPU_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *args, **kwargs: None
+
+    # 5. moe_utils.maybe_move_tensor_to_cpu, used by MoEAlltoAllTokenDispatcher to turn the
+    #    all-to-all split sizes into host arrays: it converts only CUDA tensors, so on the CPU the
+    #    splits stay tensors and ProcessGroup.all_to_all_single rejects them. Unchanged: the same
+    #    values as a NumPy array, exactly what the CUDA path produces.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu

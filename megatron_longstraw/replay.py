@@ -5,76 +5,119 @@ its outputs score `y_1 .. y_R`. Scoring runs the branch without autograd and rec
 indexer layer's top-k ("indexer replay"); replay runs it again under autograd with those selections,
 every decoder layer wrapped in activation checkpointing, and backpropagates the member's loss before
 the next member starts. Live autograd memory is one branch, whatever P and G.
+
+Under context parallelism each rank owns a contiguous share of the branch rows (padded to equal
+shares) for token-wise work and the loss; attention exchanges queries and partial outputs
+(`LongStrawMLASelfAttention._replay_context_parallel`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron_longstraw import parallel
 from megatron_longstraw.capture import CapturedPrompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
 from megatron_longstraw.state import AttentionPass, attention_pass
 
 
-def _branch(captured: CapturedPrompt, response_ids: torch.Tensor):
-    """Input ids, targets and positions of a member's branch (each [R])."""
-    first = torch.tensor([captured.last_token], dtype=response_ids.dtype, device=response_ids.device)
-    input_ids = torch.cat([first, response_ids[:-1]])
-    positions = torch.arange(captured.prefix_len, captured.prefix_len + response_ids.numel(),
-                             device=response_ids.device)
-    return input_ids, response_ids, positions
+@dataclass
+class Branch:
+    """This rank's rows of one member's branch."""
+
+    input_ids: torch.Tensor   # [c] token ids (padding: 0)
+    targets: torch.Tensor     # [c] next tokens (padding: 0)
+    positions: torch.Tensor   # [c] global positions
+    valid: torch.Tensor       # [c] bool, False on padding
+    rows: slice               # this rank's rows within the (padded) branch
+    length: int               # R (unpadded)
+    padded_length: int        # R padded to the CP size
 
 
-def _run_branch(model, captured: CapturedPrompt, response_ids: torch.Tensor, state: AttentionPass,
-                checkpoint_layers: bool) -> torch.Tensor:
-    input_ids, targets, _ = _branch(captured, response_ids)
-    hidden = embed(model, input_ids)                                  # [R, 1, h]
+def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor) -> Branch:
+    layout = captured.layout
+    length = int(response_ids.numel())
+    start, end, padded = layout.branch_rows(length)
+    device = response_ids.device
+    first = torch.tensor([captured.last_token], dtype=response_ids.dtype, device=device)
+    pad = torch.zeros(padded - length, dtype=response_ids.dtype, device=device)
+    input_ids = torch.cat([first, response_ids[:-1], pad])
+    targets = torch.cat([response_ids, pad])
+    positions = torch.arange(captured.prefix_len, captured.prefix_len + padded, device=device)
+    valid = torch.arange(padded, device=device) < length
+    rows = slice(start, end)
+    return Branch(input_ids[rows], targets[rows], positions[rows], valid[rows], rows, length, padded)
+
+
+def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
+          selections: dict | None) -> AttentionPass:
+    layout = captured.layout
+    state = AttentionPass(mode="replay", positions=branch.positions, pages=captured.pages,
+                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
+                          reuse_selections=selections is not None, query_block=cfg.query_block,
+                          key_block=cfg.key_block, token_block=cfg.token_block, cp=layout)
+    if layout.size > 1:
+        state.prefix_positions = captured.positions
+        state.branch_len = branch.padded_length
+        state.branch_positions = torch.arange(captured.prefix_len,
+                                              captured.prefix_len + branch.padded_length,
+                                              device=branch.positions.device)
+    return state
+
+
+def _run_branch(model, captured: CapturedPrompt, branch: Branch, checkpoint_layers: bool):
+    """Log-probs [c] of this rank's branch rows (the pass must be installed)."""
+    hidden = embed(model, branch.input_ids)                           # [c, 1, h]
     groups = decoder_groups(model)
-    device = hidden.device
     for layer_idx, group in enumerate(groups):
         if captured.prefix_len and layer_idx + 1 < len(groups):
-            captured.pages.prefetch(layer_idx + 1, device)           # one layer ahead
+            captured.pages.prefetch(layer_idx + 1, hidden.device)    # one layer ahead
         if checkpoint_layers and torch.is_grad_enabled():
             hidden = checkpoint(run_group, group, hidden, use_reentrant=False)
         else:
             hidden = run_group(group, hidden)
         captured.pages.release(layer_idx)
-    return head_logprobs(model, hidden, targets)                      # [R]
+    return head_logprobs(model, hidden, branch.targets)
 
 
-def _pass(captured: CapturedPrompt, response_ids: torch.Tensor, cfg: LongStrawConfig,
-          selections: dict | None) -> AttentionPass:
-    _, _, positions = _branch(captured, response_ids)
-    return AttentionPass(mode="replay", positions=positions, pages=captured.pages,
-                         prefix_len=captured.prefix_len, selections=dict(selections or {}),
-                         reuse_selections=selections is not None, query_block=cfg.query_block,
-                         key_block=cfg.key_block, token_block=cfg.token_block)
+def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt) -> torch.Tensor:
+    """This rank's rows [c] -> the whole member [R] on every rank (no autograd)."""
+    return parallel.gather_tensor(values.detach(), captured.layout)[:branch.length]
 
 
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                  cfg: LongStrawConfig) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Per-token log-probs [R] of one response (no autograd) and the DSA selections it used."""
-    state = _pass(captured, response_ids, cfg, selections=None)
+    """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
+    selections it used (global key positions)."""
+    branch = make_branch(captured, response_ids)
+    state = _pass(captured, branch, cfg, selections=None)
     with torch.no_grad(), attention_pass(state):
-        logp = _run_branch(model, captured, response_ids, state, checkpoint_layers=False)
-    return logp, state.selections
+        logp = _run_branch(model, captured, branch, checkpoint_layers=False)
+    return gather_member(logp, branch, captured), state.selections
 
 
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                   selections: dict[int, torch.Tensor] | None, cfg: LongStrawConfig,
-                  loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]]):
-    """Rebuild one member's graph, backpropagate `loss_fn(logp)`, free the graph.
+                  loss_fn: Callable[[torch.Tensor, slice], torch.Tensor]):
+    """Rebuild one member's graph, backpropagate, free the graph.
 
-    Gradients accumulate into `.grad` of the trainable parameters (plain sums across members: the
-    loss already carries the member's 1/(G R_i) share). Returns (logp [R] detached, loss, stats).
+    `loss_fn(logp, tokens)` returns this rank's share of the member's loss from the log-probs of
+    its tokens `tokens` (a slice of the member's R tokens; padding excluded; may be empty). Every
+    rank calls backward (the exchanges in attention are collectives), even with an empty share.
+    Gradients
+    accumulate into `.grad` (plain sums across members: the loss carries the 1/(G R_i) share).
+    Returns the member's log-probs [R] (detached, whole member on every rank).
     """
-    state = _pass(captured, response_ids, cfg, selections=selections)
+    branch = make_branch(captured, response_ids)
+    state = _pass(captured, branch, cfg, selections=selections)
     with attention_pass(state):  # backward recomputes checkpointed layers: keep the pass installed
-        logp = _run_branch(model, captured, response_ids, state, cfg.checkpoint_layers)
-        loss, stats = loss_fn(logp)
+        logp = _run_branch(model, captured, branch, cfg.checkpoint_layers)
+        num_valid = int(branch.valid.sum())
+        loss = loss_fn(logp[:num_valid], slice(branch.rows.start, branch.rows.start + num_valid))
         loss.backward()
-    return logp.detach(), loss.detach(), stats
+    return gather_member(logp, branch, captured)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from megatron_longstraw.capture import CapturedPrompt, capture_prompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.grpo import group_advantages, member_loss, validate_group
 from megatron_longstraw.kernels import select
+from megatron_longstraw.parallel import CPLayout, check_agreement, fail_together
 from megatron_longstraw.replay import replay_member, score_member
 
 
@@ -53,6 +53,8 @@ class StepResult:
     """Wall time of capture, scoring, replay."""
     page_bytes: int = 0
     """Bytes of captured prompt state (all pages, this rank)."""
+    selections: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    """Per member: each full indexer layer's top-k (global key positions) from scoring."""
 
 
 def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
@@ -82,17 +84,51 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
 
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
-                               forward_only: bool = False) -> StepResult:
+                               forward_only: bool = False, loss_scale: float = 1.0) -> StepResult:
     """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
 
     `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
-    prompt state differs); required when cfg.kl_coef > 0.
+    prompt state differs); required when cfg.kl_coef > 0. `loss_scale` is 1/N when the optimizer
+    step averages N groups (across data-parallel replicas and/or several calls); gradients are
+    plain sums otherwise. Under context parallelism every rank of the CP group passes the same
+    group; each holds a partial gradient (finalize.py sums them).
     """
-    validate_inputs(model, group, cfg)
-    if cfg.kl_coef > 0 and ref_model is None:
-        raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
-                         "--longstraw-kl-coef 0).")
+    layout = CPLayout.current()
+    try:
+        validate_inputs(model, group, cfg)
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
+                             "--longstraw-kl-coef 0).")
+        local_error = None
+    except ValueError as exc:
+        local_error = str(exc)
+    check_agreement(local_error, _fingerprint(group), layout)
     select.use(cfg.kernels)
+    with fail_together():
+        return _step(model, group, cfg, ref_model, forward_only, loss_scale)
+
+
+def _fingerprint(group: GRPOGroup) -> dict:
+    """What every rank of a CP group must agree on (cheap to exchange)."""
+    try:
+        return _fingerprint_of(group)
+    except Exception:  # noqa: BLE001 - malformed input: validation reports it
+        return {"malformed": True}
+
+
+def _fingerprint_of(group: GRPOGroup) -> dict:
+    prompt = group.prompt_ids.long().reshape(-1)
+    weights = torch.arange(1, prompt.numel() + 1, dtype=torch.long) % 1009
+    return {
+        "prompt_len": int(prompt.numel()),
+        "prompt_checksum": int((prompt * weights).sum()),
+        "group_size": len(group.response_ids),
+        "response_lens": [int(torch.as_tensor(r).numel()) for r in group.response_ids],
+        "rewards": [float(r) for r in group.rewards],
+    }
+
+
+def _step(model, group, cfg, ref_model, forward_only, loss_scale) -> StepResult:
     timings: dict[str, float] = {}
 
     captured = capture_prompt(model, group.prompt_ids, cfg)
@@ -112,14 +148,20 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
     for i, response in enumerate(group.response_ids):
-        loss_fn = functools.partial(_member_loss, logp_old=logps_old[i], advantage=advantages[i],
-                                    num_members=num_members, cfg=loss_cfg,
-                                    logp_ref=logps_ref[i] if logps_ref else None)
-        if forward_only:
-            logp = scored[i][0]
-            loss, stats = loss_fn(logp)
-        else:
-            logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg, loss_fn)
+        args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
+                    num_tokens=int(response.numel()), loss_scale=loss_scale)
+        ref = logps_ref[i] if logps_ref else None
+
+        def share_loss(logp, tokens, i=i, args=args, ref=ref):
+            return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
+                               logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
+                               **args)[0]
+
+        logp = scored[i][0] if forward_only else replay_member(
+            model, captured, response, scored[i][1], cfg, share_loss)
+        # Whole-member loss and statistics from the gathered log-probs (reporting only).
+        loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
+                                  logp_ref=None if ref is None else ref.to(logp.dtype), **args)
         total += float(loss)
         logps.append(logp)
         member_stats.append(stats)
@@ -128,12 +170,8 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
     page_bytes = captured.pages.nbytes() + (ref_captured.pages.nbytes() if ref_captured else 0)
     return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
-                      phase_seconds=timings, page_bytes=page_bytes)
-
-
-def _member_loss(logp, *, logp_old, advantage, num_members, cfg, logp_ref):
-    return member_loss(logp, logp_old.to(logp.dtype), advantage, num_members, cfg,
-                       logp_ref=None if logp_ref is None else logp_ref.to(logp.dtype))
+                      phase_seconds=timings, page_bytes=page_bytes,
+                      selections=[sel for _, sel in scored])
 
 
 def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
@@ -154,17 +192,16 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
 
 
 def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
-               finalize_grads=None, max_grad_norm: float | None = None) -> StepResult:
-    """One GRPO update: zero grads, forward_backward_longstraw, finalize, one optimizer step."""
+               max_grad_norm: float | None = None, loss_scale: float = 1.0) -> StepResult:
+    """One GRPO update: zero grads, forward_backward_longstraw, the corrected finalisation
+    (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer step."""
+    from megatron_longstraw.finalize import clip_grads, finalize_longstraw_grads, grad_norm
+
     optimizer.zero_grad(set_to_none=True)
-    result = forward_backward_longstraw(model, group, cfg, ref_model=ref_model)
-    if finalize_grads is not None:
-        finalize_grads(model)
-    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if max_grad_norm is not None:
-        result.stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    else:
-        result.stats["grad_norm"] = float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params]))) if params else 0.0
+    result = forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
+                                        loss_scale=loss_scale)
+    finalize_longstraw_grads(model)
+    result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
+                                 else grad_norm(model))
     optimizer.step()
     return result

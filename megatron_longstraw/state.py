@@ -22,6 +22,7 @@ from typing import Iterator, Literal, Optional
 import torch
 
 from megatron_longstraw.pages import PageStore
+from megatron_longstraw.parallel import CPLayout
 
 Mode = Literal["full", "capture", "replay"]
 
@@ -52,6 +53,16 @@ class AttentionPass:
     """Keys per indexer-score block (bounds the `[block_q, h_i, block_k]` scores)."""
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+    cp: CPLayout = field(default_factory=CPLayout)
+    """Context-parallel layout (size 1: everything on this process)."""
+    global_len: int = 0
+    """Capture under CP: tokens in the whole captured prefix (all ranks)."""
+    prefix_positions: Optional[torch.Tensor] = None
+    """Replay under CP: global positions of this rank's captured rows (its pages, in order)."""
+    branch_positions: Optional[torch.Tensor] = None
+    """Replay under CP: global positions of the whole (padded) branch, on every rank."""
+    branch_len: int = 0
+    """Replay under CP: rows of the padded branch (CP * rows per rank)."""
 
 
 _CURRENT: list[AttentionPass] = []

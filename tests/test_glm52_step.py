@@ -83,10 +83,11 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
     # Replay reuses the scoring selections (indexer replay): the layers attend with them.
     used: dict = {}
     from megatron_longstraw import replay as replay_mod
-    state = replay_mod._pass(captured, response, ls, selections=scored)
+    branch = replay_mod.make_branch(captured, response)
+    state = replay_mod._pass(captured, branch, ls, selections=scored)
     state.used_selections = used
     with torch.no_grad(), attention_pass(state):
-        replay_mod._run_branch(model, captured, response, state, checkpoint_layers=False)
+        replay_mod._run_branch(model, captured, branch, checkpoint_layers=False)
     for layer in range(cfg.num_hidden_layers):
         assert torch.equal(used[layer], scored[cfg.topk_source_layer(layer)])
 
@@ -233,10 +234,11 @@ def test_prompt_state_gradients_on_request():
     captured = capture_prompt(model, group.prompt_ids, ls)
     response = group.response_ids[0]
     from megatron_longstraw import replay as replay_mod
-    state = replay_mod._pass(captured, response, ls, selections=None)
+    branch = replay_mod.make_branch(captured, response)
+    state = replay_mod._pass(captured, branch, ls, selections=None)
     state.prompt_state_grad = True
     with attention_pass(state):
-        logp = replay_mod._run_branch(model, captured, response, state, checkpoint_layers=True)
+        logp = replay_mod._run_branch(model, captured, branch, checkpoint_layers=True)
         logp.sum().backward()
     grads = [captured.pages.grad(layer, "latent") for layer in range(cfg.num_hidden_layers)]
     assert all(g is not None and g.shape == (group.prompt_ids.numel() - 1, 40) for g in grads)

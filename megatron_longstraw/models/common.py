@@ -34,14 +34,16 @@ def run_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def run_group(group, hidden: torch.Tensor, token_block: int | None = None) -> torch.Tensor:
-    """One decoder layer. FFN/MoE symbols are token-wise: with `token_block` they run chunk by chunk
-    so their intermediates (MoE dispatch buffers, FFN activations) stay O(token_block)."""
+def run_group(group, hidden: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
+    """One decoder layer. FFN/MoE symbols are token-wise: with `num_chunks` > 1 they run chunk by
+    chunk so their intermediates (MoE dispatch buffers, FFN activations) stay O(chunk). Under EP
+    every rank must pass the same `num_chunks` (each MoE call is a collective)."""
     for layer in group:
-        if is_mixer(layer) or token_block is None or hidden.shape[0] <= token_block:
+        if is_mixer(layer) or num_chunks <= 1:
             hidden = run_layer(layer, hidden)
         else:
-            hidden = torch.cat([run_layer(layer, chunk) for chunk in hidden.split(token_block)])
+            hidden = torch.cat([run_layer(layer, chunk)
+                                for chunk in torch.tensor_split(hidden, num_chunks)])
     return hidden
 
 

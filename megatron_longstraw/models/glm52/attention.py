@@ -25,6 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron_longstraw import parallel
 from megatron_longstraw.kernels import select
 from megatron_longstraw.models.glm52.config import has_own_indexer
 from megatron_longstraw.state import AttentionPass, current_pass
@@ -69,43 +70,111 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                              f"batch {hidden_states.shape[1]}.")
         core: DSAIndexHolder = self.core_attention
         state = current_pass() or self._implicit_full_pass(hidden_states, core.layer_idx)
-        x = hidden_states  # [s, 1, h]
-        num_tokens = x.shape[0]
+        if state.mode == "replay" and state.cp.size > 1:
+            out = self._replay_context_parallel(hidden_states, state)
+        else:
+            out = self._attend_local_keys(hidden_states, state)
+        return self.linear_proj(out.reshape(hidden_states.shape[0], 1, -1))
 
-        # Token-wise: the current tokens' latent rows and index keys (chunked; O(s) memory).
-        latents, index_keys = [], []
-        for start in range(0, num_tokens, state.token_block):
-            end = min(start + state.token_block, num_tokens)
-            latents.append(self._latent_rows(x[start:end], state.positions[start:end]))
-            if core.indexer is not None:
-                index_keys.append(self._index_keys(x[start:end], state.positions[start:end]))
-        own_latents = torch.cat(latents)
-        own_index_keys = torch.cat(index_keys) if index_keys else None
+    def _attend_local_keys(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+        """Every key this rank attends to is materialised here: the current tokens' own rows, the
+        captured prefix (replay), or the whole prompt gathered across CP (capture). -> [s, h, v]"""
+        core: DSAIndexHolder = self.core_attention
+        own_latents, own_index_keys = self._token_rows(x, state)
         if state.mode == "capture":
             state.pages.append(core.layer_idx, LATENT, own_latents)
             if own_index_keys is not None:
                 state.pages.append(core.layer_idx, INDEX_KEY, own_index_keys)
 
-        # Keys: captured prompt rows (constants) followed by the current tokens' rows.
         key_latents, key_index, key_positions = own_latents, own_index_keys, state.positions
-        if state.mode == "replay" and state.prefix_len > 0:
+        if state.mode == "capture" and state.cp.size > 1:
+            # The prompt is sharded: every rank sees the whole prompt's keys (global causal
+            # context, global top-k) in position order, and keeps only its own rows as pages.
+            total = state.global_len
+            key_latents = parallel.gather_sequence(own_latents, state.positions, total, state.cp)
+            if own_index_keys is not None:
+                key_index = parallel.gather_sequence(own_index_keys, state.positions, total, state.cp)
+            key_positions = torch.arange(total, device=x.device)
+        elif state.mode == "replay" and state.prefix_len > 0:
             read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
             prefix_latents = read(core.layer_idx, LATENT, x.device)
             key_latents = torch.cat([prefix_latents.to(own_latents.dtype), own_latents])
             if own_index_keys is not None:
                 prefix_index = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
                 key_index = torch.cat([prefix_index.to(own_index_keys.dtype), own_index_keys])
-            key_positions = torch.cat([
-                torch.arange(state.prefix_len, device=x.device), state.positions])
+            key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
+                                       state.positions])
 
         outputs = []
-        for start in range(0, num_tokens, state.query_block):
-            end = min(start + state.query_block, num_tokens)
-            outputs.append(self._attend_block(x[start:end], state, start, end, key_latents,
-                                              key_index, key_positions))
-        out = torch.cat(outputs)                                  # [s, h, v]
-        out = out.reshape(num_tokens, 1, -1)
-        return self.linear_proj(out)
+        for start in range(0, x.shape[0], state.query_block):
+            end = min(start + state.query_block, x.shape[0])
+            q_compressed, query = self._queries(x[start:end], state.positions[start:end])
+            selection = self._selection(x[start:end], q_compressed, state, start, end,
+                                        lambda q_index, w: self._topk_local(
+                                            q_index, w, key_index, key_positions,
+                                            state.positions[start:end], state))
+            kernels = select.kernels()
+            out_latent, _ = kernels.sparse_mla_attention(query, key_latents, selection,
+                                                         self.softmax_scale, self.config.kv_lora_rank)
+            outputs.append(self._up_project_values(out_latent))
+        return torch.cat(outputs)
+
+    def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+        """Replay with the prompt sharded over CP (DESIGN section 3). This rank owns rows
+        [start, end) of the branch. The branch's queries are gathered; each rank attends them over
+        its own prompt shard (and rank 0 over the branch's own rows as well, so those count once);
+        the partial outputs merge by log-sum-exp and each rank keeps its own rows. -> [c, h, v]"""
+        core: DSAIndexHolder = self.core_attention
+        cp = state.cp
+        own_latents, own_index_keys = self._token_rows(x, state)
+        q_compressed, query = self._queries(x, state.positions)
+        branch_positions = state.branch_positions                  # [R_pad], all ranks
+        all_query = parallel.gather_rows(query, cp)                # [R_pad, h, d_qk]
+        all_latents = parallel.gather_rows(own_latents, cp)        # [R_pad, d_qk]
+
+        def candidates(q_index, weights):
+            all_q = parallel.gather_rows(q_index, cp)
+            all_w = parallel.gather_rows(weights, cp)
+            prefix_keys = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
+            scores, pos = self._shard_topk(all_q, all_w, prefix_keys, state.prefix_positions,
+                                           branch_positions, state)
+            all_index_keys = parallel.gather_rows(own_index_keys, cp)
+            own_s, own_p = self._shard_topk(all_q, all_w, all_index_keys, branch_positions,
+                                            branch_positions, state)
+            if cp.rank != 0:  # the branch's own keys are candidates on exactly one rank
+                own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
+            k = min(self.config.dsa_indexer_topk, state.prefix_len + branch_positions.numel())
+            return parallel.merge_topk_candidates(torch.cat([scores, own_s], 1),
+                                                  torch.cat([pos, own_p], 1), k, cp)
+
+        selection = self._selection(x, q_compressed, state, 0, branch_positions.numel(),
+                                    candidates, gathered=True)
+        # Keys here: this rank's prompt rows, then the branch's rows. Every rank holds the branch
+        # rows (so the autograd graph, and with it the order of backward collectives, is the same
+        # on every rank), but only rank 0 lets queries select them: they count exactly once.
+        read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
+        prefix_latents = read(core.layer_idx, LATENT, x.device).to(own_latents.dtype)
+        key_latents = torch.cat([prefix_latents, all_latents])
+        lookup = torch.full((state.prefix_len + branch_positions.numel(),), -1, dtype=torch.long,
+                            device=x.device)
+        lookup[state.prefix_positions] = torch.arange(prefix_latents.shape[0], device=x.device)
+        if cp.rank == 0:
+            lookup[branch_positions] = prefix_latents.shape[0] + torch.arange(
+                branch_positions.numel(), device=x.device)
+        local = torch.where(selection >= 0, lookup[selection.clamp(min=0)], -1)
+
+        outs, lses = [], []
+        kernels = select.kernels()
+        for start in range(0, all_query.shape[0], state.query_block):
+            end = min(start + state.query_block, all_query.shape[0])
+            out, lse = kernels.sparse_mla_attention(all_query[start:end], key_latents,
+                                                    local[start:end], self.softmax_scale,
+                                                    self.config.kv_lora_rank)
+            outs.append(out)
+            lses.append(lse)
+        merged = parallel.merge_partials_by_lse(torch.cat(outs), torch.cat(lses), cp)
+        rows_start, rows_end, _ = cp.branch_rows(state.branch_len)
+        return self._up_project_values(merged[rows_start:rows_end])
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -145,39 +214,78 @@ class LongStrawMLASelfAttention(MLASelfAttention):
         x_pe = self._rope(x_pe, positions, interleaved=self.config.dsa_indexer_rope_interleaved)
         return torch.cat([x_pe, x_pass], dim=-1)
 
-    def _attend_block(self, x, state: AttentionPass, start: int, end: int, key_latents,
-                      key_index, key_positions) -> torch.Tensor:
-        """Sparse attention of the current tokens [start, end) -> [end - start, heads, v_head_dim]."""
-        cfg = self.config
+    def _token_rows(self, x: torch.Tensor, state: AttentionPass):
+        """Token-wise: latent rows and (full indexer layers) index keys of the current tokens,
+        chunk by chunk (O(s) memory)."""
         core: DSAIndexHolder = self.core_attention
-        kernels = select.kernels()
-        positions = state.positions[start:end]
-        num_heads = self.num_attention_heads_per_partition
+        latents, index_keys = [], []
+        for start in range(0, x.shape[0], state.token_block):
+            end = min(start + state.token_block, x.shape[0])
+            latents.append(self._latent_rows(x[start:end], state.positions[start:end]))
+            if core.indexer is not None:
+                with torch.no_grad():  # keys only feed the selection (no gradient path)
+                    index_keys.append(self._index_keys(x[start:end], state.positions[start:end]))
+        return torch.cat(latents), (torch.cat(index_keys) if index_keys else None)
 
+    def _queries(self, x: torch.Tensor, positions: torch.Tensor):
+        """[s, 1, h] -> (q_compressed [s, 1, q_lora_rank], absorbed query [s, heads, d_qk])."""
+        cfg = self.config
         q_compressed, _ = self.linear_q_down_proj(x)
-        q_compressed = self.q_layernorm(q_compressed)              # [b, 1, q_lora_rank]
+        q_compressed = self.q_layernorm(q_compressed)
         q, _ = self.linear_q_up_proj(q_compressed)
-        q = q[:, 0].view(end - start, num_heads, self.q_head_dim)
+        q = q[:, 0].view(x.shape[0], self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        w_kv = self.linear_kv_up_proj.weight.view(num_heads, cfg.qk_head_dim + cfg.v_head_dim,
-                                                  cfg.kv_lora_rank)
-        w_uk, w_uv = torch.split(w_kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=1)
+        w_uk, _ = self._absorbed_weights()
         query = torch.cat([torch.einsum("shd,hdr->shr", q_nope, w_uk),
                            self._rope(q_pe, positions, interleaved=True)], dim=-1)
+        return q_compressed, query
 
-        selection = self._selection(x, q_compressed, state, start, end, key_index, key_positions)
-        if state.used_selections is not None:
-            used = state.used_selections.get(core.layer_idx)
-            state.used_selections[core.layer_idx] = (
-                selection if start == 0 or used is None else torch.cat([used, selection]))
-        out_latent, _ = kernels.sparse_mla_attention(query, key_latents, selection,
-                                                     self.softmax_scale, cfg.kv_lora_rank)
+    def _absorbed_weights(self):
+        """W_UK [heads, qk_head_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank]."""
+        cfg = self.config
+        w_kv = self.linear_kv_up_proj.weight.view(self.num_attention_heads_per_partition,
+                                                  cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return torch.split(w_kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=1)
+
+    def _up_project_values(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[s, heads, kv_lora_rank] -> [s, heads, v_head_dim]."""
+        _, w_uv = self._absorbed_weights()
         return torch.einsum("shr,hvr->shv", out_latent, w_uv)
 
-    def _selection(self, x, q_compressed, state: AttentionPass, start, end, key_index,
-                   key_positions) -> torch.Tensor:
-        """Top-k key indices [end - start, k] for the block: computed (full indexer layers), replayed
-        from a scoring pass (indexer replay), or shared from the source layer (IndexShare)."""
+    def _index_queries(self, x, q_compressed, positions):
+        """Indexer queries [s, h_i, d_i] (RoPE'd) and head weights [s, h_i] of the current rows."""
+        cfg = self.config
+        indexer = self.core_attention.indexer
+        q_index, _ = indexer.linear_wq_b(q_compressed)
+        q_index = q_index[:, 0].view(x.shape[0], cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim)
+        weights, _ = indexer.linear_weights_proj(x)
+        return (self._rope_indexer(q_index, positions),
+                weights[:, 0] * cfg.dsa_indexer_n_heads ** -0.5)
+
+    def _topk_local(self, q_index, weights, keys, key_positions, query_positions, state):
+        """Top-k over keys all held here -> [s, k] key indices (= global positions here)."""
+        cfg = self.config
+        idx, _ = select.kernels().indexer_topk(
+            q_index, weights, keys, query_positions, key_positions, cfg.dsa_indexer_topk,
+            scale=cfg.dsa_indexer_head_dim ** -0.5, relu=cfg.dsa_indexer_scoring_relu,
+            key_block=state.key_block)
+        return torch.where(idx >= 0, key_positions[idx.clamp(min=0)], -1)
+
+    def _shard_topk(self, q_index, weights, keys, key_positions, query_positions, state):
+        """This rank's candidates: top-k over its keys -> (scores [s, k], global positions)."""
+        cfg = self.config
+        idx, scores = select.kernels().indexer_topk(
+            q_index, weights, keys, query_positions, key_positions, cfg.dsa_indexer_topk,
+            scale=cfg.dsa_indexer_head_dim ** -0.5, relu=cfg.dsa_indexer_scoring_relu,
+            key_block=state.key_block)
+        return scores, torch.where(idx >= 0, key_positions[idx.clamp(min=0)], -1)
+
+    def _selection(self, x, q_compressed, state: AttentionPass, start, end, compute,
+                   gathered: bool = False) -> torch.Tensor:
+        """Top-k key positions [end - start, k] for query rows [start, end): computed by
+        `compute(q_index, weights)` on full indexer layers, replayed from a scoring pass (indexer
+        replay), or shared from the source layer (IndexShare). Selections are global key
+        positions, so they mean the same thing on every rank and in every layout."""
         core: DSAIndexHolder = self.core_attention
         selections = state.selections
         if core.indexer is None or state.reuse_selections:
@@ -186,24 +294,19 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 raise RuntimeError(f"DSA layer {core.layer_idx} needs the top-k of layer {source}, "
                                    "which this pass has not computed (IndexShare order or "
                                    "indexer replay without a scoring pass).")
-            return selections[source][start:end]
-        cfg = self.config
-        indexer = core.indexer
-        with torch.no_grad():  # the indexer is not trained by the policy loss (no gradient path)
-            positions = state.positions[start:end]
-            q_index, _ = indexer.linear_wq_b(q_compressed)
-            q_index = q_index[:, 0].view(end - start, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim)
-            q_index = self._rope_indexer(q_index, positions)
-            weights, _ = indexer.linear_weights_proj(x)
-            weights = weights[:, 0] * cfg.dsa_indexer_n_heads ** -0.5
-            idx, _ = select.kernels().indexer_topk(
-                q_index, weights, key_index, positions, key_positions, cfg.dsa_indexer_topk,
-                scale=cfg.dsa_indexer_head_dim ** -0.5, relu=cfg.dsa_indexer_scoring_relu,
-                key_block=state.key_block)
-        # Selections are indices into [prefix; current] keys; stored per layer for IndexShare and
-        # for indexer replay, growing block by block.
-        if state.mode == "capture" and start == 0:
-            selections.clear()  # capture keeps one [P, k] selection: the latest full layer's
-        previous = selections.get(core.layer_idx)
-        selections[core.layer_idx] = idx if start == 0 or previous is None else torch.cat([previous, idx])
-        return idx
+            selection = selections[source][start:end]
+        else:
+            with torch.no_grad():  # the indexer is not trained by the policy loss
+                rows = state.positions if gathered else state.positions[start:end]
+                q_index, weights = self._index_queries(x, q_compressed, rows)
+                selection = compute(q_index, weights)
+            if state.mode == "capture" and start == 0:
+                selections.clear()  # capture keeps one [P, k] selection: the latest full layer's
+            previous = selections.get(core.layer_idx)
+            selections[core.layer_idx] = (selection if start == 0 or previous is None
+                                          else torch.cat([previous, selection]))
+        if state.used_selections is not None:
+            used = state.used_selections.get(core.layer_idx)
+            state.used_selections[core.layer_idx] = (
+                selection if start == 0 or used is None else torch.cat([used, selection]))
+        return selection

@@ -214,6 +214,9 @@ class GLM52Config:
             dsa_indexer_rope_interleaved=self.indexer_rope_interleaved,
             dsa_indexer_rotate_activation=False,
             dsa_indexer_k_norm_epsilon=self.indexer_norm_eps,
+            # Megatron validates DSA + CP against its all-gather path; LongStraw's attention does
+            # its own CP exchange (parallel.py) and never calls Megatron's.
+            cp_comm_type="allgather",
             init_method_std=self.init_std,
             params_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,

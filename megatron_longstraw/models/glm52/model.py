@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron_longstraw import platform
+from megatron_longstraw import parallel, platform
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.spec import glm52_stack_spec
 
@@ -18,7 +18,7 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
     if params_dtype == torch.float64:
         platform.enable_fp64_routing()
     tcfg = cfg.to_transformer_config(params_dtype=params_dtype, qk_layernorm=True,
-                                     **parallel_overrides)
+                                     **{**parallel.current_sizes(), **parallel_overrides})
     model = HybridModel(
         config=tcfg,
         hybrid_stack_spec=glm52_stack_spec(latent_norm_eps=cfg.latent_norm_eps),

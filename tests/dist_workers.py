@@ -1,0 +1,111 @@
+"""Functions run on each rank by the distributed tests (importable for spawn)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from helpers import build_tiny_glm
+
+
+def _group(cfg, prompt_len, lens, seed):
+    from megatron_longstraw.schedule import GRPOGroup
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0][:len(lens)], dtype=torch.float64)
+    return GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards)
+
+
+def groups_for(cfg, num_groups, prompt_len=200, lens=(1, 6, 17)):
+    return [_group(cfg, prompt_len, lens, seed=100 + g) for g in range(num_groups)]
+
+
+def longstraw_cfg(group_size):
+    from megatron_longstraw.config import LongStrawConfig
+
+    return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
+                           max_response_len=64, clip_eps_high=0.28)
+
+
+def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
+    """One optimizer step over this rank's groups; returns (logps, grads, params, selections)."""
+    from megatron_longstraw.finalize import finalize_longstraw_grads, grad_norm
+    from megatron_longstraw.parallel import global_name
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer.zero_grad(set_to_none=True)
+    logps, selections = [], []
+    for group in groups_here:
+        result = forward_backward_longstraw(model, group, longstraw_cfg(len(group.response_ids)),
+                                            loss_scale=1.0 / num_groups_total)
+        logps.append([lp.clone() for lp in result.logps])
+        selections.append(result.selections)
+    finalize_longstraw_grads(model)
+    norm = grad_norm(model)
+    name = lambda n: global_name(n, cfg.n_routed_experts)
+    grads = {name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    params = {name(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"logps": logps, "grads": grads, "params": params, "selections": selections,
+            "grad_norm": norm}
+
+
+def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
+    from megatron.core import parallel_state as ps
+
+    from megatron_longstraw import parallel
+
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_glm(torch.float64)
+    full = torch.load(state_path)
+    outs = []
+    for _ in range(repeat):
+        parallel.load_full_state_dict(model, full, cfg.n_routed_experts)
+        groups = groups_for(cfg, num_groups_total)
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        mine = groups[dp_rank::dp_size]
+        outs.append(step(model, cfg, mine, num_groups_total))
+    return {"runs": outs, "dp_rank": ps.get_data_parallel_rank(),
+            "cp_rank": ps.get_context_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank()}
+
+
+def failing_capture_worker(rank, cp, failing_rank):
+    """Rank `failing_rank` raises in the middle of capture; the others must not hang."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.capture import capture_prompt
+
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=cp, timeout_s=120,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_glm(torch.float32)
+    if rank == failing_rank:
+        layer = model.decoder.layers[4]
+        def boom(*args, **kwargs):
+            raise RuntimeError(f"injected failure on rank {rank} in capture")
+        layer.register_forward_pre_hook(boom)
+    group = groups_for(cfg, 1)[0]
+    from megatron_longstraw.schedule import forward_backward_longstraw
+    forward_backward_longstraw(model, group, longstraw_cfg(3))
+    return "finished"
+
+
+def mismatch_worker(rank, what):
+    """Ranks disagree on the group: detected before any work."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_glm(torch.float32)
+    group = groups_for(cfg, 1)[0]
+    if rank == 1 and what == "prompt":
+        group.prompt_ids = group.prompt_ids[:-5]
+    if rank == 1 and what == "group_size":
+        group.response_ids = group.response_ids[:2]
+        group.rewards = group.rewards[:2]
+    forward_backward_longstraw(model, group, longstraw_cfg(len(group.response_ids)))
+    return "finished"
