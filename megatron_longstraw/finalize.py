@@ -1,17 +1,17 @@
 """Corrected gradient finalisation for the LongStraw schedule (DESIGN section 4).
 
 What Megatron-Core 0.19.2's stock `finalize_model_grads` gets wrong here. It finishes the gradient
-sync of `DistributedDataParallel`, which all-reduces every non-expert gradient over the DP x CP group
-and scales it by 1 / (DP x CP) (an average), and expert gradients over the expert-DP group scaled by
-1 / (DP x CP) as well (or divides everything by the global token count with
-`calculate_per_token_loss`). Both assume each rank computed a full loss on its own micro-batch.
-Under LongStraw:
+sync of `DistributedDataParallel`, which, by default, scales every gradient by 1 / (DP x CP) and
+sums it over DP x CP (non-expert) or expert-DP (experts): an average that assumes each rank computed
+a full loss on its own micro-batch. In its `calculate_per_token_loss` mode it sums, then divides
+every gradient by the global token count its schedule passes. Under LongStraw:
 
 - each CP rank holds a *partial sum* of the group's gradient (its prompt shard's attention
   contributions and its rows of each response), and the loss already carries every divisor
   (1 / (N_groups G R_i), grpo.py). The correct reduction is a plain SUM over DP x CP; the stock
-  average makes non-expert gradients CP times too small (and the per-token variant divides again
-  by a token count the loss already used);
+  average makes every gradient CP times too small (experts included), and the per-token variant
+  divides again by a token count the loss already used (measured on CP2/EP2 in
+  tests/test_distributed.py: ratios 1/2 and 1/num_response_tokens);
 - with EP folded on the CP ranks an expert's gradient is complete on its owner (all tokens routed
   to it, from every CP rank, were dispatched there). Replicas of an expert across expert-DP hold
   disjoint token sets, so they are SUMMED, never averaged; with expert-DP = 1 nothing is reduced;

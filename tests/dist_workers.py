@@ -109,3 +109,44 @@ def mismatch_worker(rank, what):
         group.rewards = group.rewards[:2]
     forward_backward_longstraw(model, group, longstraw_cfg(len(group.response_ids)))
     return "finished"
+
+
+def stock_finalize_worker(rank, state_path):
+    """The same CP2/EP2 step finished by Megatron-Core's stock DDP + finalize_model_grads, against
+    finalize_longstraw_grads in the same process: returns the per-parameter ratios stock / ours."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_longstraw import parallel
+    from megatron_longstraw.finalize import finalize_longstraw_grads, is_expert_param
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_glm(torch.float64)
+    parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+    group = groups_for(cfg, 1)[0]
+    forward_backward_longstraw(model, group, longstraw_cfg(3))
+    finalize_longstraw_grads(model)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ratios = {}
+    for per_token in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        # Megatron's default (average over DP x CP), then its per-token-loss mode with the token
+        # count its schedules pass.
+        model.config.calculate_per_token_loss = per_token
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        ddp.zero_grad_buffer()
+        forward_backward_longstraw(model, group, longstraw_cfg(3))
+        local_tokens = sum(r.numel() for r in group.response_ids) // 2  # this rank's share
+        finalize_model_grads([ddp], num_tokens=torch.tensor(local_tokens) if per_token else None)
+        ratios[per_token] = {
+            ("expert" if expert else "dense"):
+                sorted({round(float(p.main_grad.norm() / ours[n].norm()), 7)
+                        for n, p in model.named_parameters()
+                        if n in ours and ours[n].norm() > 0 and is_expert_param(p) == expert})
+            for expert in (False, True)}
+        ratios[per_token]["num_tokens"] = local_tokens
+        model = ddp.module
+    return ratios

@@ -102,3 +102,16 @@ def test_disagreeing_ranks_detected_before_work(what, needle):
                                                 what=what)
     assert set(outcome) == {0, 1}
     assert all(needle in msg for msg in outcome.values()), outcome
+
+
+def test_stock_finalize_model_grads_is_wrong_under_longstraw(reference):
+    """Megatron's stock DDP + finalize_model_grads on the same CP2/EP2 step. Its default averages
+    over DP x CP: every gradient comes out CP = 2 times too small. Its per-token-loss mode divides
+    by the global response-token count the loss already divided by. finalize.py sums instead."""
+    outs = run_ranks(dist_workers.stock_finalize_worker, 2, state_path=reference["path"])
+    for ratios in outs:  # each list: the distinct stock / correct ratios over all parameters
+        assert ratios[False]["dense"] == pytest.approx([0.5], rel=1e-6)
+        assert ratios[False]["expert"] == pytest.approx([0.5], rel=1e-6)
+        tokens = ratios[True]["num_tokens"] * 2  # Megatron sums the count over DP x CP
+        assert ratios[True]["dense"] == pytest.approx([1 / tokens], rel=1e-6)
+        assert ratios[True]["expert"] == pytest.approx([1 / tokens], rel=1e-6)
