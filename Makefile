@@ -13,8 +13,10 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+NPROC ?= 4
+
 demo: $(VENV)/.installed
-	$(PY) -m megatron_longstraw.demo
+	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m megatron_longstraw.demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings tests
