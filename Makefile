@@ -14,9 +14,16 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 NPROC ?= 4
+PROMPT_LEN ?= 32768
 
+# One LongStraw GRPO step of the tiny GLM-5.2, CP = EP = NPROC, through the Megatron-style launcher.
 demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m megatron_longstraw.demo
+	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		examples/pretrain_gpt.py --longstraw --longstraw-config examples/glm52/tiny.yaml \
+		--context-parallel-size $(NPROC) --expert-model-parallel-size $(NPROC) \
+		--train-iters 1 --lr 1e-4 --clip-grad 1.0 --seed 1234 \
+		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-group-size 4 \
+		--longstraw-run-name demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings tests

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,9 +43,11 @@ class CapturedPrompt:
 
 
 def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
-                   pages: PageStore | None = None) -> CapturedPrompt:
+                   pages: PageStore | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> CapturedPrompt:
     """Capture `prompt_ids` [P] (P >= 1, the whole prompt on every rank) into `pages` (a new store by
-    default). Under context parallelism each rank captures its load-balanced shard."""
+    default). Under context parallelism each rank captures its load-balanced shard. `progress(done,
+    total)` is called after each decoder layer (a progress bar on rank 0)."""
     start = time.perf_counter()
     layout = CPLayout.current()
     prefix = prompt_ids[:-1]
@@ -64,8 +67,11 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                               key_block=cfg.key_block, token_block=cfg.token_block)
         with torch.no_grad(), attention_pass(state):
             hidden = embed(model, prefix[positions])                # [n_local, 1, h]
-            for group in decoder_groups(model):
+            groups = decoder_groups(model)
+            for layer_idx, group in enumerate(groups):
                 hidden = run_group(group, hidden, num_chunks)
+                if progress is not None:
+                    progress(layer_idx + 1, len(groups))
         del hidden
         state.selections.clear()
     return CapturedPrompt(pages=pages, prefix_len=num_captured, last_token=int(prompt_ids[-1]),

@@ -84,14 +84,16 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
 
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
-                               forward_only: bool = False, loss_scale: float = 1.0) -> StepResult:
+                               forward_only: bool = False, loss_scale: float = 1.0,
+                               progress=None) -> StepResult:
     """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
 
     `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
     prompt state differs); required when cfg.kl_coef > 0. `loss_scale` is 1/N when the optimizer
     step averages N groups (across data-parallel replicas and/or several calls); gradients are
     plain sums otherwise. Under context parallelism every rank of the CP group passes the same
-    group; each holds a partial gradient (finalize.py sums them).
+    group; each holds a partial gradient (finalize.py sums them). `progress(done, total)` reports
+    capture progress per decoder layer.
     """
     layout = CPLayout.current()
     try:
@@ -105,7 +107,7 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     check_agreement(local_error, _fingerprint(group), layout)
     select.use(cfg.kernels)
     with fail_together():
-        return _step(model, group, cfg, ref_model, forward_only, loss_scale)
+        return _step(model, group, cfg, ref_model, forward_only, loss_scale, progress)
 
 
 def _fingerprint(group: GRPOGroup) -> dict:
@@ -128,10 +130,10 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
     }
 
 
-def _step(model, group, cfg, ref_model, forward_only, loss_scale) -> StepResult:
+def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> StepResult:
     timings: dict[str, float] = {}
 
-    captured = capture_prompt(model, group.prompt_ids, cfg)
+    captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress)
     ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
     timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
 
@@ -192,14 +194,15 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
 
 
 def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
-               max_grad_norm: float | None = None, loss_scale: float = 1.0) -> StepResult:
+               max_grad_norm: float | None = None, loss_scale: float = 1.0,
+               progress=None) -> StepResult:
     """One GRPO update: zero grads, forward_backward_longstraw, the corrected finalisation
     (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer step."""
     from megatron_longstraw.finalize import clip_grads, finalize_longstraw_grads, grad_norm
 
     optimizer.zero_grad(set_to_none=True)
     result = forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
-                                        loss_scale=loss_scale)
+                                        loss_scale=loss_scale, progress=progress)
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
                                  else grad_norm(model))

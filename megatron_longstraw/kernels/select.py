@@ -12,6 +12,7 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS: dict[str, ModuleType] = {"ref": refs}
 _ACTIVE: list[str] = ["ref"]
+_LOGGED: list[str] = []
 
 
 def available() -> list[str]:
@@ -23,7 +24,9 @@ def use(name: str) -> None:
     """Select a backend by name (`auto` picks the fastest available and logs its choice)."""
     if name == "auto":
         name = "ref"
-        logger.info("longstraw kernels: auto selected %r", name)
+        if _ACTIVE[0] != name or not _LOGGED:
+            logger.info("longstraw kernels: auto selected %r", name)
+            _LOGGED.append(name)
     if name not in _BACKENDS:
         raise ValueError(f"Unknown kernel backend {name!r}; available here: {available()}.")
     _ACTIVE[0] = name

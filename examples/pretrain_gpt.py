@@ -1,0 +1,18 @@
+"""Megatron-style entry point for LongStraw GRPO post-training.
+
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --longstraw \
+        --longstraw-config examples/glm52/full.yaml \
+        --context-parallel-size 8 --expert-model-parallel-size 8 \
+        --train-iters 100 --lr 1e-6 --clip-grad 1.0 --bf16 \
+        --longstraw-data groups.jsonl --longstraw-tokenizer /path/to/tokenizer \
+        --save ckpt --save-interval 10 --tensorboard-dir tb
+
+Megatron's model and parallel flags are parsed by megatron.training's own parser; the
+`--longstraw-*` flags come from one extra_args_provider (megatron_longstraw.arguments). To add the
+same switch to Megatron-LM's own pretrain_gpt.py, apply patches/megatron-lm/pretrain_gpt.py.patch.
+"""
+
+from megatron_longstraw.train import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Step logging: TensorBoard scalars, one summary line per step, a capture progress bar (rank 0)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from megatron_longstraw.receipts import human_bytes
+
+
+class ProgressBar:
+    """A plain progress bar on stderr (no dependency), for capture's layer loop on rank 0."""
+
+    def __init__(self, label: str, width: int = 30, stream=sys.stderr):
+        self.label, self.width, self.stream = label, width, stream
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        filled = int(self.width * done / max(total, 1))
+        elapsed = time.perf_counter() - self.start
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+                          f"{done}/{total} layers {elapsed:6.1f} s")
+        if done == total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class StepLogger:
+    """Scalars per step to TensorBoard (when a directory is given) and a summary line to stdout."""
+
+    def __init__(self, tensorboard_dir: str | None, enabled: bool):
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+
+    def scalars(self, result, extra: dict) -> dict[str, float]:
+        values = {f"grpo/{k}": float(v) for k, v in result.stats.items()}
+        values["grpo/loss"] = float(result.loss)
+        values.update({f"time/{k}_s": float(v) for k, v in result.phase_seconds.items()})
+        values["memory/page_bytes"] = float(result.page_bytes)
+        values.update({k: float(v) for k, v in extra.items()})
+        return values
+
+    def log(self, step: int, result, extra: dict) -> str:
+        values = self.scalars(result, extra)
+        line = (f"step {step:5d} | loss {result.loss:+.6f} | reward {result.stats['reward_mean']:.3f}"
+                f" +- {result.stats['reward_std']:.3f} | clip {result.stats['clip_frac']:.3f}"
+                f" | ratio {result.stats['ratio_mean']:.4f} | kl {result.stats['kl']:.2e}"
+                f" | grad {result.stats.get('grad_norm', float('nan')):.3e}"
+                f" | capture {result.phase_seconds['capture']:.1f}s scoring "
+                f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
+                f" | pages {human_bytes(result.page_bytes)}")
+        if self.enabled:
+            print(line, flush=True)
+            if self.writer is not None:
+                for key, value in values.items():
+                    self.writer.add_scalar(key, value, step)
+                self.writer.flush()
+        return line
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

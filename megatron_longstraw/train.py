@@ -1,0 +1,204 @@
+"""The LongStraw training loop behind `examples/pretrain_gpt.py --longstraw`.
+
+Parses Megatron's standard flags (megatron.training's parser from the pinned megatron-core) plus the
+`--longstraw-*` flags (one `extra_args_provider`), resolves them with the YAML config
+(`--longstraw-config`; flags win), starts CP x EP folded process groups, builds the model, and runs
+`--train-iters` GRPO steps: capture, scoring, serial replay, corrected finalisation, one optimizer
+step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-dir`), saves with
+`--save`/`--save-interval`, resumes with `--load`, and writes a receipt for the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from megatron_longstraw.arguments import (
+    add_longstraw_args,
+    explicit_flags,
+    longstraw_config_from_args,
+    model_config_values,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's parser (as `megatron.training.arguments.parse_args` builds it) + ours."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-LM arguments + LongStraw",
+                                     allow_abbrev=False)
+    return add_longstraw_args(add_megatron_arguments(parser))
+
+
+def parse(argv: list[str] | None = None):
+    """(args, names of the flags given on the command line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args, explicit_flags(parser, argv)
+
+
+def resolve(args, given: set[str]):
+    """(family, model config, LongStrawConfig, dtype) from YAML + flags, validated."""
+    if not args.longstraw:
+        raise SystemExit("This launcher runs the LongStraw GRPO schedule: pass --longstraw (for "
+                         "standard Megatron pre-training use Megatron-LM's pretrain_gpt.py).")
+    ls = longstraw_config_from_args(args)
+    values = model_config_values(args, given)
+    if args.longstraw_family == "qwen36":
+        raise SystemExit("--longstraw-family qwen36 is not available yet in this version; "
+                         "use glm52.")
+    from megatron_longstraw.models.glm52.config import GLM52Config
+
+    if not values:
+        raise SystemExit("No model configuration: pass --longstraw-config examples/glm52/tiny.yaml "
+                         "(or full.yaml) and/or Megatron's model flags.")
+    model_cfg = GLM52Config.from_dict(values)
+    dtype_name = args.longstraw_dtype or ("bf16" if args.bf16 else "fp32")
+    return args.longstraw_family, model_cfg, ls, DTYPES[dtype_name]
+
+
+def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int):
+    """This data-parallel replica's GRPO groups, cycling (same on every rank of its CP group)."""
+    if args.longstraw_data:
+        from megatron_longstraw.data import load_tokenizer, read_groups
+
+        tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
+        groups = list(read_groups(args.longstraw_data, tokenizer=tokenizer,
+                                  vocab_size=model_cfg.vocab_size))
+        if not groups:
+            raise SystemExit(f"--longstraw-data {args.longstraw_data}: no groups.")
+        mine = groups[dp_rank::dp_size] or groups
+        return itertools.cycle(mine)
+    from megatron_longstraw.data import synthetic_group
+
+    prompt_len = args.longstraw_synthetic_prompt_len or 4096
+    return (synthetic_group(model_cfg.vocab_size, prompt_len, ls.group_size,
+                            min(args.longstraw_synthetic_response_len, ls.max_response_len),
+                            seed=ls.seed + 1000 * step + dp_rank)
+            for step in itertools.count())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    start = time.perf_counter()
+    args, given = parse(argv)
+    family, model_cfg, ls, dtype = resolve(args, given)
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_longstraw import parallel
+    from megatron_longstraw.memory import SavedTensorMeter, peak_rss_bytes
+    from megatron_longstraw.metrics import ProgressBar, StepLogger
+    from megatron_longstraw.models.glm52.model import build_glm52_model
+    from megatron_longstraw.receipts import environment, format_table, human_bytes, write_json_atomic
+    from megatron_longstraw.schedule import train_step
+
+    cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    model = build_glm52_model(model_cfg, params_dtype=dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr if args.lr is not None else 1e-6,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  weight_decay=args.weight_decay)
+    first_step = 0
+    if args.load:
+        from megatron_longstraw.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(args.load)
+        if path is not None:
+            first_step, _ = load_checkpoint(path, model, optimizer)
+            if rank == 0:
+                print(f"resumed from {path} at step {first_step}", flush=True)
+    groups = _groups(args, model_cfg, ls, dp_rank, dp_size)
+    for _ in range(first_step):
+        next(groups)  # the data position of an uninterrupted run
+    logger = StepLogger(args.tensorboard_dir, enabled=rank == 0)
+    total_iters = args.train_iters or 1
+    result, meter = None, None
+    for step in range(first_step, total_iters):
+        group = next(groups)
+        bar = ProgressBar(f"step {step} capture") if rank == 0 else None
+        with SavedTensorMeter(model) as meter:
+            # 1/DP: one optimizer step averages the DP replicas' groups (finalize.py sums).
+            result = train_step(model, optimizer, group, ls, max_grad_norm=args.clip_grad,
+                                loss_scale=1.0 / dp_size, progress=bar)
+        peaks = torch.tensor([peak_rss_bytes(), meter.peak_bytes, result.page_bytes],
+                             dtype=torch.float64)
+        dist.all_reduce(peaks[:2], op=dist.ReduceOp.MAX)
+        page_total = peaks[2:].clone()
+        dist.all_reduce(page_total)
+        logger.log(step, result, {"memory/peak_rss_bytes": peaks[0],
+                                  "memory/peak_saved_tensor_bytes": peaks[1],
+                                  "memory/page_bytes_all_ranks": page_total[0]})
+        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+            from megatron_longstraw.checkpoint import save_checkpoint
+
+            save_checkpoint(args.save, model, optimizer, step + 1,
+                            extra={"family": family, "model": model_cfg.to_dict()})
+    logger.close()
+    if result is None:
+        return {}
+    receipt = {
+        "name": args.longstraw_run_name,
+        "family": family,
+        "config": args.longstraw_config,
+        "prompt_len": int(group.prompt_ids.numel()),
+        "group_size": len(group.response_ids),
+        "response_lens": [int(r.numel()) for r in group.response_ids],
+        "rewards": [float(r) for r in group.rewards],
+        "page_bytes": int(page_total[0]),
+        "page_bytes_per_rank": result.page_bytes,
+        "page_bytes_per_token": float(page_total[0]) / max(group.prompt_ids.numel() - 1, 1),
+        "peak_rss_bytes": int(peaks[0]),
+        "peak_saved_tensor_bytes": int(peaks[1]),
+        "phase_seconds": result.phase_seconds,
+        "loss": result.loss,
+        "stats": result.stats,
+        "steps": total_iters,
+        "total_seconds": time.perf_counter() - start,
+        "world_size": world,
+        "context_parallel_size": cp,
+        "expert_parallel_size": ep,
+        "data_parallel_size": dp_size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "environment": environment(),
+    }
+    if rank != 0:
+        return receipt
+    path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
+                             receipt)
+    rows = [
+        ("model", f"{family} ({model_cfg.num_hidden_layers} layers, "
+                  f"{model_cfg.num_full_indexer_layers()} full indexer layers, "
+                  f"{model_cfg.n_routed_experts} experts)"),
+        ("parallel", f"{world} processes, CP={cp}, EP={ep}, DP={dp_size} "
+                     f"({dist.get_backend()})"),
+        ("prompt / group", f"{receipt['prompt_len']} tokens, G={receipt['group_size']}, responses "
+                           f"{receipt['response_lens']}"),
+        ("capture", f"{result.phase_seconds['capture']:.1f} s"),
+        ("scoring", f"{result.phase_seconds['scoring']:.1f} s"),
+        ("replay+backward", f"{result.phase_seconds['replay']:.1f} s"),
+        ("page bytes", f"{human_bytes(page_total[0])} in all, {human_bytes(result.page_bytes)} on "
+                       f"rank 0 ({receipt['page_bytes_per_token']:.0f} B/token)"),
+        ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
+        ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
+        ("loss", f"{result.loss:.6f}"),
+        ("mean reward", f"{result.stats['reward_mean']:.3f}"),
+        ("grad norm", f"{result.stats['grad_norm']:.4f}"),
+        ("receipt", str(path)),
+    ]
+    print("LongStraw GRPO step\n" + format_table(rows), flush=True)
+    return receipt
