@@ -56,7 +56,9 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
         raise ValueError(f"A prompt of {prompt_ids.numel()} tokens is too short for context "
                          f"parallelism {layout.size}: it needs at least {2 * layout.size + 1}.")
     positions = layout.prompt_positions(num_captured, device=prefix.device)
-    pages = pages if pages is not None else PageStore(page_tokens=cfg.page_tokens)
+    if pages is None:  # host pages streamed per layer, or (no offload) pages kept on the device
+        pages = PageStore(page_tokens=cfg.page_tokens,
+                          storage_device="cpu" if cfg.offload_pages else prompt_ids.device)
     if num_captured > 0:
         # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
         longest = max(CPLayout(None, layout.size, r).prompt_positions(num_captured).numel()

@@ -68,10 +68,14 @@ class PageStore:
         page_tokens: int = 65536,
         pin_memory: bool | None = None,
         storage_dtype: torch.dtype | None = None,
+        storage_device: torch.device | str = "cpu",
     ) -> None:
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
-        if pin_memory is None:
+        self.storage_device = torch.device(storage_device)
+        if self.storage_device.type != "cpu":
+            pin_memory = False  # pages live on the accelerator itself (no offload)
+        elif pin_memory is None:
             pin_memory = torch.cuda.is_available()
         elif pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True requires CUDA (page-locked memory is a CUDA feature)")
@@ -137,7 +141,8 @@ class PageStore:
         while i < n:
             if entry.num_tokens == len(entry.pages) * P:
                 entry.pages.append(
-                    torch.empty((P, *row_shape), dtype=entry.dtype, pin_memory=self.pin_memory)
+                    torch.empty((P, *row_shape), dtype=entry.dtype, device=self.storage_device,
+                                pin_memory=self.pin_memory)
                 )
             off = entry.num_tokens - (len(entry.pages) - 1) * P
             take = min(P - off, n - i)
@@ -152,7 +157,8 @@ class PageStore:
         self._register(layer_idx, kind, sequence=False)
         tensor = tensor.detach()
         host = torch.empty(
-            tensor.shape, dtype=self._target_dtype(tensor.dtype), pin_memory=self.pin_memory
+            tensor.shape, dtype=self._target_dtype(tensor.dtype), device=self.storage_device,
+            pin_memory=self.pin_memory,
         )
         host.copy_(tensor, non_blocking=self.pin_memory)
         self._note_async_d2h(tensor)
@@ -228,7 +234,7 @@ class PageStore:
             self._d2h_event = None
 
     def _to_device(self, layer_idx: int, kind: str, device: torch.device) -> torch.Tensor:
-        """Copy one (layer, kind) into a fresh tensor on a non-CPU device (current stream)."""
+        """Copy one (layer, kind) into a fresh tensor on another device than the storage one."""
         e = self._entry(layer_idx, kind)
         nb = self.pin_memory
         if not isinstance(e, _SeqEntry):
@@ -255,8 +261,8 @@ class PageStore:
                 stream.wait_event(event)
                 t.record_stream(stream)
             return t
-        if device.type != "cpu":
-            if self._d2h_event is not None:
+        if device != self.storage_device:
+            if self._d2h_event is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).wait_event(self._d2h_event)
             return self._to_device(layer_idx, kind, device)
         self.synchronize()
@@ -265,7 +271,7 @@ class PageStore:
             return e
         n, P = e.num_tokens, self.page_tokens
         if n == 0:
-            return torch.empty((0, *e.row_shape), dtype=e.dtype)
+            return torch.empty((0, *e.row_shape), dtype=e.dtype, device=self.storage_device)
         used = -(-n // P)
         if used == 1:
             return e.pages[0][:n]
@@ -274,7 +280,7 @@ class PageStore:
     def prefetch(self, layer_idx: int, device: torch.device | str) -> None:
         """Start copying all kinds of a layer to ``device`` (CUDA: side stream + event; CPU: no-op)."""
         device = torch.device(device)
-        if device.type == "cpu" or layer_idx not in self._order:
+        if device == self.storage_device or device.type == "cpu" or layer_idx not in self._order:
             return
         pre = self._prefetched.get(layer_idx)
         if pre is not None and pre[0] == device:
