@@ -12,9 +12,12 @@ setup(
         "megatron-core==0.19.2",
         "pyyaml",
         "tensorboard",
+        "safetensors",  # checkpoints (model.safetensors) and Hugging Face conversion
+        "flash-linear-attention",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "safetensors"],
+        "test": ["pytest", "pytest-timeout", "transformers"],
+        "convert": ["transformers"],  # tools/convert_hf.py reads Hugging Face configs
         # The GPU kernels are not on the package registry in usable form (the registry's
         # flash-mla / deep-ep / deep-gemm are early-2025 snapshots without the APIs used here).
         # Install them from source on a GPU cluster: see README.md, "GPU backends".

@@ -245,6 +245,12 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
                and not n.endswith("_extra_state")]
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+    wrong = [(n, tuple(full[global_name(n, num_experts)].shape), tuple(t.shape))
+             for n, t in own.items() if not n.endswith("_extra_state")
+             and full[global_name(n, num_experts)].shape != t.shape]
+    if wrong:  # checked before anything is written: copy_ would broadcast silently
+        raise ValueError(f"state dict shapes differ from the model for {len(wrong)} entries, "
+                         f"e.g. {wrong[:3]} (saved, model).")
     with torch.no_grad():
         for name, tensor in own.items():
             if name.endswith("_extra_state"):
