@@ -13,9 +13,12 @@ from pathlib import Path
 import yaml
 
 from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.kernels.select import KernelChoices
 
 FAMILIES = ("glm52", "qwen36")
-KERNELS = ("auto", "ref")
+# Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see
+# kernels/select.py.
+KERNELS = KernelChoices(("auto", "ref", "flashmla", "triton", "deepgemm", "deepep", "te", "apex"))
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -29,7 +29,8 @@ class LongStrawConfig:
     offload_pages: bool = True
     """Keep captured pages in host memory (pinned with CUDA) and stream them layer by layer."""
     kernels: str = "auto"
-    """Kernel backend: auto | ref | a GPU backend (see kernels/)."""
+    """Kernel backend: auto | ref | a backend name | per-part spec such as
+    "auto,indexer=ref" or "sparse_mla=flashmla,sparse_mla_grad=triton" (kernels/select.py)."""
     checkpoint_layers: bool = True
     """Whole-decoder-layer activation checkpointing during replay."""
     token_block: int = 8192

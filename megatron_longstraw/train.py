@@ -104,15 +104,20 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_longstraw.receipts import environment, format_table, human_bytes, write_json_atomic
     from megatron_longstraw.schedule import train_step
 
+    from megatron_longstraw.kernels import select
+
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    select.use(ls.kernels)  # an explicit backend whose package is missing fails here, at start
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    model = build_glm52_model(model_cfg, params_dtype=dtype)
+    model = build_glm52_model(model_cfg, params_dtype=dtype, backend=select.dense_spec_provider(),
+                              **select.moe_config_overrides(ep))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr if args.lr is not None else 1e-6,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                  weight_decay=args.weight_decay)
+    optimizer = select.optimizer_class()(
+        params, lr=args.lr if args.lr is not None else 1e-6,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        weight_decay=args.weight_decay)
     first_step = 0
     if args.load:
         from megatron_longstraw.checkpoint import latest_checkpoint, load_checkpoint

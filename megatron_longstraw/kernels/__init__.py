@@ -1,2 +1,4 @@
-"""Kernel backends: `refs` (pure PyTorch, always available) and one module per GPU backend.
-`select.kernels()` returns the active set."""
+"""Kernel backends: `refs` (pure PyTorch, always available) and one thin module per GPU backend
+(`flashmla`, `triton_sparse_mla`, `deepgemm`, `deepep`, `te`, `nvidia_apex`). `select.kernels()`
+returns the active set; `packages` knows where each optional package comes from; `parity` holds the
+shared backend-vs-reference checks."""

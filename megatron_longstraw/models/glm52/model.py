@@ -11,9 +11,11 @@ from megatron_longstraw.models.glm52.spec import glm52_stack_spec
 
 
 def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float32,
-                      **parallel_overrides) -> HybridModel:
+                      backend=None, **parallel_overrides) -> HybridModel:
     """A `HybridModel` with pattern `D-D-D-` + `DE` x (L - 3). Model-parallel state and RNG must be
-    initialised (`parallel.initialize`); on CPU, `platform.apply()` runs first."""
+    initialised (`parallel.initialize`); on CPU, `platform.apply()` runs first. `backend` is a
+    Megatron spec provider for the dense modules (None: the local one; kernels.select's
+    `dense_spec_provider()` gives TransformerEngine's when selected)."""
     platform.apply()
     if params_dtype == torch.float64:
         platform.enable_fp64_routing()
@@ -21,7 +23,7 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
                                      **{**parallel.current_sizes(), **parallel_overrides})
     model = HybridModel(
         config=tcfg,
-        hybrid_stack_spec=glm52_stack_spec(latent_norm_eps=cfg.latent_norm_eps),
+        hybrid_stack_spec=glm52_stack_spec(backend=backend, latent_norm_eps=cfg.latent_norm_eps),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         hybrid_layer_pattern=cfg.hybrid_layer_pattern(),
