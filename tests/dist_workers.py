@@ -150,3 +150,17 @@ def stock_finalize_worker(rank, state_path):
         ratios[per_token]["num_tokens"] = local_tokens
         model = ddp.module
     return ratios
+
+
+def short_prompt_worker(rank, state_path, prompt_len):
+    """CP2/EP2 scoring of a prompt whose shards hold fewer keys than the DSA top-k."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_glm(torch.float64)
+    parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+    group = groups_for(cfg, 1, prompt_len=prompt_len)[0]
+    result = forward_backward_longstraw(model, group, longstraw_cfg(3))
+    return [lp.clone() for lp in result.logps]

@@ -115,3 +115,19 @@ def test_stock_finalize_model_grads_is_wrong_under_longstraw(reference):
         tokens = ratios[True]["num_tokens"] * 2  # Megatron sums the count over DP x CP
         assert ratios[True]["dense"] == pytest.approx([1 / tokens], rel=1e-6)
         assert ratios[True]["expert"] == pytest.approx([1 / tokens], rel=1e-6)
+
+
+def test_prompt_shards_shorter_than_topk(reference):
+    """23 tokens on CP2: shards of 12 and 10 keys against top-k 16 (uneven candidate widths)."""
+    cfg = reference["cfg"]
+    group = dist_workers.groups_for(cfg, 1, prompt_len=23)[0]
+    _, model = build_tiny_glm(torch.float64)
+    model.load_state_dict(torch.load(reference["path"]), strict=False)
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    expected = forward_backward_longstraw(model, group, dist_workers.longstraw_cfg(3)).logps
+    outs = run_ranks(dist_workers.short_prompt_worker, 2, state_path=reference["path"],
+                     prompt_len=23)
+    for logps in outs:
+        for got, exp in zip(logps, expected):
+            assert (got - exp).abs().max() <= 1e-9

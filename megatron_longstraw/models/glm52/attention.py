@@ -272,12 +272,19 @@ class LongStrawMLASelfAttention(MLASelfAttention):
         return torch.where(idx >= 0, key_positions[idx.clamp(min=0)], -1)
 
     def _shard_topk(self, q_index, weights, keys, key_positions, query_positions, state):
-        """This rank's candidates: top-k over its keys -> (scores [s, k], global positions)."""
+        """This rank's candidates: top-k over its keys -> (scores [s, topk], global positions),
+        padded to the full top-k width (-inf / -1) so that every rank contributes the same shape to
+        the candidate exchange even when its shard holds fewer than top-k keys."""
         cfg = self.config
         idx, scores = select.kernels().indexer_topk(
             q_index, weights, keys, query_positions, key_positions, cfg.dsa_indexer_topk,
             scale=cfg.dsa_indexer_head_dim ** -0.5, relu=cfg.dsa_indexer_scoring_relu,
             key_block=state.key_block)
+        missing = cfg.dsa_indexer_topk - idx.shape[1]
+        if missing > 0:
+            idx = torch.cat([idx, idx.new_full((idx.shape[0], missing), -1)], dim=1)
+            scores = torch.cat([scores, scores.new_full((scores.shape[0], missing),
+                                                        float("-inf"))], dim=1)
         return scores, torch.where(idx >= 0, key_positions[idx.clamp(min=0)], -1)
 
     def _selection(self, x, q_compressed, state: AttentionPass, start, end, compute,
