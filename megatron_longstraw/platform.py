@@ -187,12 +187,158 @@ def enable_fp64_routing() -> None:
     router.topk_routing_with_score_function = routing
 
 
+_FP64_GDN = False
+
+
+def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6,
+                  output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FLA's `l2norm` (`fla.modules.l2norm`, also transformers' Qwen3.5 `l2norm`) in PyTorch:
+    x * rsqrt(sum(x^2) + eps) over `dim`, computed in float32 or wider, returned in x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(acc)
+    y = y * torch.rsqrt((y * y).sum(dim=dim, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+def _chunk_gated_delta_rule_fp64(q, k, v, g, beta, chunk_size=64, initial_state=None,
+                                 output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                 cu_seqlens=None):
+    """Megatron-Core 0.19.2 `torch_chunk_gated_delta_rule` with every step in float64 (the original
+    casts q, k, v, g, beta, the decay mask and the state to float32). Same arguments, same chunked
+    algorithm, same order of operations; returns (out [b, s, H_v, d_v] float64, final state
+    [b, H_v, d_k, d_v] float64 or None)."""
+    import torch.nn.functional as F
+
+    assert cu_seqlens is None, "cu_seqlens is not supported by torch_chunk_gated_delta_rule."
+    f64 = torch.float64
+    if use_qk_l2norm_in_kernel:
+        q, k = _torch_l2norm(q), _torch_l2norm(k)
+    q, k, v, beta, g = [x.transpose(1, 2).contiguous().to(f64) for x in (q, k, v, beta, g)]
+    batch, heads, length, k_dim = k.shape
+    v_dim = v.shape[-1]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    q = q * k_dim ** -0.5
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, v, k_beta, v_beta = (x.reshape(batch, heads, -1, chunk_size, x.shape[-1])
+                               for x in (q, k, v, k_beta, v_beta))
+    g = g.reshape(batch, heads, -1, chunk_size).cumsum(dim=-1)
+    upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), 0)
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).tril().exp().tril()
+    attn = -((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0)
+    for i in range(1, chunk_size):
+        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk_size, dtype=f64, device=q.device)
+    v = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp().unsqueeze(-1))
+    state = (torch.zeros(batch, heads, k_dim, v_dim, dtype=f64, device=q.device)
+             if initial_state is None else initial_state.to(f64))
+    out = torch.zeros_like(v)
+    strict_upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), 1)
+    for i in range(g.shape[2]):
+        q_i, k_i, v_i = q[:, :, i], k[:, :, i], v[:, :, i]
+        attn_i = (q_i @ k_i.transpose(-1, -2) * decay[:, :, i]).masked_fill_(strict_upper, 0)
+        v_new = v_i - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = (q_i * g[:, :, i, :, None].exp()) @ state + attn_i @ v_new
+        state = (state * g[:, :, i, -1, None, None].exp()
+                 + (k_i * (g[:, :, i, -1, None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2)
+                 @ v_new)
+    out = out.reshape(batch, heads, -1, v_dim)[:, :, :length].transpose(1, 2).contiguous()
+    return out, (state if output_final_state else None)
+
+
+def enable_fp64_gdn() -> None:
+    """Keep Gated DeltaNet and the gated attention's output gate in float64 when the model runs in
+    float64 (reference precision for parity tests).
+
+    Megatron-Core 0.19.2 computes these pieces in float32 whatever the input dtype:
+    `gated_delta_net.common.torch_chunk_gated_delta_rule` (casts q, k, v, g, beta and the state to
+    float32; FLA's chunk kernel does the same), `_GDNBase._compute_g_and_beta` (`alpha.float()`),
+    `_GDNBase._apply_gated_norm` (`gate.float()`) and `Attention._apply_output_gate`
+    (`gate.float()`). In a float64 model that rounds to ~6e-8 relative, too coarse for fp64 parity
+    tests. The wrappers below apply only to float64 inputs and compute exactly Megatron's formulas
+    (the same chunked delta-rule algorithm; g = -exp(A_log) * softplus(alpha + dt_bias),
+    beta = sigmoid(beta); out_norm(x) * act(gate); x * sigmoid(gate)) in float64. Everything else,
+    bf16 and fp32 training included, calls Megatron's functions unchanged. Call before building the
+    model (GatedDeltaNet picks its delta-rule function when it is constructed).
+    """
+    global _FP64_GDN
+    apply()  # on CPU the delta-rule choice of entry 6 must be in place before it is wrapped
+    if _FP64_GDN:
+        return
+    _FP64_GDN = True
+    import torch.nn.functional as F
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
+    from megatron.core.ssm.gated_delta_net import gdn as gdn_module
+    from megatron.core.transformer.attention import Attention
+
+    def fp64_rule(original):
+        def rule(q, k, v, g, beta, *args, **kwargs):
+            if v.dtype == torch.float64:
+                return _chunk_gated_delta_rule_fp64(q, k, v, g, beta, *args, **kwargs)
+            return original(q, k, v, g, beta, *args, **kwargs)
+        return rule
+
+    for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
+        if getattr(gdn_module, name, None) is not None:
+            setattr(gdn_module, name, fp64_rule(getattr(gdn_module, name)))
+
+    g_and_beta = gdn_common._GDNBase._compute_g_and_beta
+
+    def compute_g_and_beta(self, A_log, dt_bias, alpha, beta):
+        if alpha.dtype != torch.float64:
+            return g_and_beta(self, A_log, dt_bias, alpha, beta)
+        return -A_log.exp() * F.softplus(alpha + dt_bias), beta.sigmoid()
+
+    gated_norm = gdn_common._GDNBase._apply_gated_norm
+
+    def apply_gated_norm(self, x, gate):
+        if x.dtype != torch.float64:
+            return gated_norm(self, x, gate)
+        y = self.out_norm(x.reshape(-1, x.shape[-1]))
+        return y * self.act_fn(gate.reshape(-1, gate.shape[-1]))
+
+    output_gate = Attention._apply_output_gate
+
+    def apply_output_gate(self, x, gate):
+        if x.dtype != torch.float64:
+            return output_gate(self, x, gate)
+        return x * torch.sigmoid(gate.contiguous().view(*x.shape))
+
+    gdn_common._GDNBase._compute_g_and_beta = compute_g_and_beta
+    gdn_common._GDNBase._apply_gated_norm = apply_gated_norm
+    Attention._apply_output_gate = apply_output_gate
+
+
+def _apply_without_transformer_engine() -> None:
+    """Adaptations needed wherever TransformerEngine is not importable (CPU, or a GPU without TE).
+
+    3. HybridStack.__init__ builds its final norm with TENorm unconditionally. Why: TENorm needs
+       TransformerEngine. Unchanged: WrappedTorchNorm builds torch's RMSNorm with the same eps and
+       the same parameter name (`final_norm.weight`).
+    """
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if HAVE_TE:
+        return
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    hybrid_block.TENorm = WrappedTorchNorm
+
+
 def apply() -> None:
-    """Install the CPU adaptations once per process when CUDA is unavailable (idempotent)."""
+    """Install the adaptations once per process (idempotent): the TransformerEngine-absent one
+    wherever TE is missing, the CPU ones only when CUDA is unavailable."""
     global _APPLIED
-    if _APPLIED or has_cuda():
+    if _APPLIED:
         return
     _APPLIED = True
+    _apply_without_transformer_engine()
+    if has_cuda():
+        return
 
     # 1. torch.cuda.current_device(), used by Megatron as a tensor device (RotaryEmbedding.__init__,
     #    MoE router/dispatcher buffers, schedules, clip_grads, DDP buffers). Why: it initialises CUDA
@@ -206,13 +352,6 @@ def apply() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
-    # 3. HybridStack.__init__ builds its final norm with TENorm unconditionally. Why: TENorm needs
-    #    TransformerEngine. Unchanged: WrappedTorchNorm builds torch's RMSNorm with the same eps and
-    #    the same parameter name (`final_norm.weight`).
-    from megatron.core.models.hybrid import hybrid_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    hybrid_block.TENorm = WrappedTorchNorm
 
     # 4. CUDA streams and events: MoEAlltoAllTokenDispatcher.__init__ creates `torch.cuda.Stream()`
     #    and `_maybe_dtoh_and_synchronize` moves routing metadata to the host on it; DDP and the
@@ -239,3 +378,36 @@ def apply() -> None:
         return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+    # 6. Gated DeltaNet's FLA Triton kernels (megatron.core.ssm.gated_delta_net): `common.l2norm`,
+    #    called by `_GDNBase._prepare_input_for_gated_delta_rule` on q and k, and
+    #    `gdn.chunk_gated_delta_rule`, which `GatedDeltaNet._setup_variant_attrs` picks unless
+    #    `deterministic_mode`. Why: Triton kernels need a GPU ("0 active drivers"). Unchanged: the
+    #    l2norm is FLA's formula x * rsqrt(sum(x^2) + 1e-6) (transformers' too) in float32 or wider,
+    #    and the delta rule becomes `torch_chunk_gated_delta_rule`, Megatron's own PyTorch
+    #    implementation of the same rule (its deterministic mode), in float32 like FLA's kernel.
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
+    from megatron.core.ssm.gated_delta_net import gdn as gdn_module
+
+    if gdn_common.HAVE_FLA:
+        gdn_common.l2norm = _torch_l2norm
+        gdn_module.chunk_gated_delta_rule = gdn_common.torch_chunk_gated_delta_rule
+
+    # 7. HybridStack.__init__'s final norm (TENorm, entry 3: WrappedTorchNorm) for models with
+    #    `layernorm_zero_centered_gamma` (Qwen3.5/3.6: y = x / rms(x) * (1 + weight)). Why:
+    #    WrappedTorchNorm asserts the flag is off (torch's RMSNorm has no zero-centred gain), while
+    #    TENorm supports it. Unchanged: the local `ZeroCenteredRMSNorm` (models/qwen36/spec.py)
+    #    computes TE's zero-centred RMSNorm formula with the same eps and parameter name
+    #    (`final_norm.weight`); models without the flag still get WrappedTorchNorm.
+    from megatron.core.models.hybrid import hybrid_block
+
+    plain_final_norm = hybrid_block.TENorm
+
+    def final_norm(config, hidden_size, eps=1e-5, **kwargs):
+        if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
+            from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
+
+            return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
+        return plain_final_norm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+
+    hybrid_block.TENorm = final_norm
