@@ -9,7 +9,8 @@
 
 Megatron's model and parallel flags are parsed by megatron.training's own parser; the
 `--longstraw-*` flags come from one extra_args_provider (megatron_longstraw.arguments). To add the
-same switch to Megatron-LM's own pretrain_gpt.py, apply patches/megatron-lm/pretrain_gpt.py.patch.
+same switch to Megatron-LM's own pretrain_gpt.py, apply patches/megatron-lm-pretrain_gpt-longstraw.patch (re-base it on your Megatron-LM
+checkout: see its header).
 """
 
 from megatron_longstraw.train import main

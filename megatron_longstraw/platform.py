@@ -97,6 +97,9 @@ def manual_seed(seed: int) -> None:
 class _CPUEvent:
     """No-op event: CPU work is synchronous, so every event has already happened."""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def record(self, stream=None) -> None:
         pass
 
@@ -358,7 +361,7 @@ def apply() -> None:
     #    page prefetch use side streams too. Why: creating a stream initialises CUDA. Unchanged: on the
     #    CPU all work runs in program order, so a single no-op stream gives the same ordering.
     torch.cuda.Stream = _CPUStream
-    torch.cuda.Event = lambda *args, **kwargs: _CPUEvent()
+    torch.cuda.Event = _CPUEvent  # a class, so annotations like `torch.cuda.Event | None` still work
     torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
     torch.cuda.default_stream = lambda *args, **kwargs: _CPU_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
