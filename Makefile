@@ -28,5 +28,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings tests
 
+# LongStraw against conventional GRPO on CPU (tiny GLM-5.2): table, JSON and plot in runs/bench/.
+bench: $(VENV)/.installed
+	$(PY) tools/bench.py --quick
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

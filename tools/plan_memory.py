@@ -1,0 +1,115 @@
+"""Per-rank device peak and host page bytes of a LongStraw GRPO step, and the largest prompt that fits
+(logic: megatron_longstraw/planner.py).
+
+    python tools/plan_memory.py --config examples/glm52/full.yaml --prompt-len 2.1M --group-size 8 \\
+        --response-len 8192 --cp 32 --ep 32 --gpu H20 --trainable lora --json plan.json
+    python tools/plan_memory.py --family qwen36 --prompt-len 2.1M --cp 8 --ep 1 --weight-dtype nf4 \\
+        --trainable-params 116e6          # analytic only: no Qwen3.6 model in the package yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_longstraw import planner  # noqa: E402
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def quantity(text: str) -> int:
+    """'2.1M' -> 2100000, '96GB' -> 96e9, '1TiB' -> 2**40, '116e6' -> 116000000."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a quantity: {text!r} (e.g. 2.1M, 96GB, 1TiB)")
+    return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+
+
+def gpu_bytes(text: str) -> int:
+    return planner.GPU_BYTES[text.upper()] if text.upper() in planner.GPU_BYTES else quantity(text)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(planner.FAMILIES), default="glm52")
+    p.add_argument("--config", default=str(ROOT / "examples" / "glm52" / "full.yaml"),
+                   help="model YAML (glm52); its longstraw: section gives the block sizes")
+    p.add_argument("--prompt-len", type=quantity, default=quantity("2.1M"))
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--response-len", type=quantity, default=8192)
+    p.add_argument("--cp", type=int, default=32)
+    p.add_argument("--ep", type=int, default=32)
+    p.add_argument("--weight-dtype", choices=sorted(planner.DTYPE_BYTES), default="bf16")
+    p.add_argument("--act-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default=None,
+                   help="default: the weight dtype (bf16 for fp8/nf4 weights)")
+    p.add_argument("--latent-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--index-key-dtype", choices=["fp64", "fp32", "bf16", "fp8"], default="fp8",
+                   help="fp8: one byte per value plus one fp32 scale per row")
+    p.add_argument("--gpu", type=gpu_bytes, default=planner.GPU_BYTES["H20"],
+                   help=f"{', '.join(planner.GPU_BYTES)} or a size (e.g. 96GB)")
+    p.add_argument("--device-reserve", type=quantity, default=4 * planner.GiB)
+    p.add_argument("--host-memory", type=quantity, default=1024 * planner.GiB, help="per node")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--host-reserve", type=quantity, default=4 * planner.GiB, help="per rank")
+    p.add_argument("--trainable", choices=sorted(planner.TRAINABLE), default="all")
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-experts", action="store_true",
+                   help="adapters on the routed experts too (default: attention, dense and shared MLP)")
+    p.add_argument("--trainable-params", type=quantity, default=None)
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="distributed optimizer: master weights and moments sharded over DP x CP")
+    p.add_argument("--kl", action="store_true", help="a reference capture for the KL term")
+    p.add_argument("--moe-imbalance", type=float, default=1.0)
+    p.add_argument("--json", default=None, help="write the figures here")
+    return p.parse_args(argv)
+
+
+def build_spec(args) -> planner.PlanSpec:
+    from megatron_longstraw.config import LongStrawConfig
+
+    if args.family == "glm52":
+        from megatron_longstraw.models.glm52.config import GLM52Config
+
+        model = GLM52Config.from_yaml(args.config)
+        blocks = LongStrawConfig.from_yaml(args.config)
+        key_width = model.index_head_dim
+    else:
+        model, blocks, key_width = planner.Qwen36Arch(), LongStrawConfig(), 128
+    weight = planner.DTYPE_BYTES[args.weight_dtype]
+    act = planner.DTYPE_BYTES[args.act_dtype] if args.act_dtype else (weight if weight >= 2 else 2.0)
+    index = (1 + 4 / key_width if args.index_key_dtype == "fp8"     # one fp32 scale per row
+             else planner.DTYPE_BYTES[args.index_key_dtype])
+    return planner.PlanSpec(
+        family=args.family, model=model, prompt_len=args.prompt_len, group_size=args.group_size,
+        response_len=args.response_len, cp=args.cp, ep=args.ep, weight_bytes=weight, act_bytes=act,
+        latent_bytes=planner.DTYPE_BYTES[args.latent_dtype], index_key_bytes=index,
+        trainable=args.trainable, lora_rank=args.lora_rank, lora_experts=args.lora_experts,
+        trainable_params=args.trainable_params,
+        shard_optimizer=args.shard_optimizer, kl=args.kl, page_tokens=blocks.page_tokens,
+        token_block=blocks.token_block, query_block=blocks.query_block, key_block=blocks.key_block,
+        gpu_bytes=args.gpu, device_reserve=args.device_reserve, host_bytes=args.host_memory,
+        ranks_per_node=args.ranks_per_node, host_reserve_per_rank=args.host_reserve,
+        moe_imbalance=args.moe_imbalance)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = planner.plan(build_spec(args))
+    print(planner.format_plan(result))
+    figures = result.to_dict()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
