@@ -354,6 +354,12 @@ def apply() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # 2b. tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, which Megatron's
+    #     activation recompute (CheckpointFunction) saves and restores around each recomputed
+    #     chunk. Why: they read the CUDA generator. Unchanged: on the CPU the generator that drives
+    #     dropout and initialisation is the CPU one; saving and restoring it is the same contract.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
 
     # 4. CUDA streams and events: MoEAlltoAllTokenDispatcher.__init__ creates `torch.cuda.Stream()`

@@ -184,11 +184,19 @@ class LongStrawMLASelfAttention(MLASelfAttention):
     def _implicit_full_pass(cls, hidden_states: torch.Tensor, layer_idx: int) -> AttentionPass:
         """A plain Megatron forward (no LongStraw pass installed) is one sequence from position 0.
         Decoder layer 0 always has its own indexer; it opens the pass the later layers share, so
-        IndexShare layers find their source layer's top-k."""
+        IndexShare layers find their source layer's top-k. One such forward at a time: interleaved
+        forwards of several sequences (recompute of another graph) need explicit passes."""
         if layer_idx == 0 or not cls._implicit:
             positions = torch.arange(hidden_states.shape[0], device=hidden_states.device)
             cls._implicit[:] = [AttentionPass(mode="full", positions=positions)]
-        return cls._implicit[0]
+        state = cls._implicit[0]
+        if state.positions.numel() != hidden_states.shape[0]:
+            raise RuntimeError(
+                "A plain forward (no LongStraw pass installed) shares its IndexShare top-k between "
+                "the layers of one sequence at a time; this layer sees another sequence (e.g. an "
+                "activation recompute interleaved with another forward). Run such forwards inside "
+                "`with attention_pass(AttentionPass(mode='full', positions=...))`.")
+        return state
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return select.kernels().apply_rope(x, positions, self.config.rotary_base, interleaved)
