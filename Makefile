@@ -1,5 +1,7 @@
 # The two commands of the README. Each sets up .venv (Python 3.12) on a fresh machine.
-PYTHON ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
+# The first Python 3.12 that actually runs (a pyenv shim can exist without a selected 3.12).
+PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v $$p || echo $$p; } && break; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
