@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
 import torch.nn.functional as F
-import yaml
+
+from megatron_longstraw.models.config_files import ConfigFiles, longstraw_transformer_settings
 
 
 def has_own_indexer(layer_idx: int, topk_freq: int, skip_topk_offset: int) -> bool:
@@ -31,8 +32,10 @@ def has_own_indexer(layer_idx: int, topk_freq: int, skip_topk_offset: int) -> bo
 
 
 @dataclass
-class GLM52Config:
+class GLM52Config(ConfigFiles):
     """GLM-5.2 architecture. Defaults are the full-size model (744B total, 78 layers)."""
+
+    FAMILY = "GLM-5.2"
 
     vocab_size: int = 154880
     """Vocabulary size (rows of the embedding and of the output layer)."""
@@ -217,34 +220,7 @@ class GLM52Config:
             # Megatron validates DSA + CP against its all-gather path; LongStraw's attention does
             # its own CP exchange (parallel.py) and never calls Megatron's.
             cp_comm_type="allgather",
-            init_method_std=self.init_std,
-            params_dtype=params_dtype,
-            bf16=params_dtype == torch.bfloat16,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            calculate_per_token_loss=True,
-            # LongStraw checkpoints whole decoder layers itself (schedule.py).
-            recompute_granularity=None,
+            **longstraw_transformer_settings(params_dtype, self.init_std),
         )
         kwargs.update(overrides)
         return MLATransformerConfig(**kwargs)
-
-    # ---- files ------------------------------------------------------------------------------
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "GLM52Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"Unknown GLM-5.2 config fields {unknown}; known fields: {sorted(known)}.")
-        return cls(**values)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "GLM52Config":
-        """Load the `model:` section of an example YAML (or a flat mapping)."""
-        data = yaml.safe_load(Path(path).read_text())
-        return cls.from_dict(data.get("model", data))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
 import torch.nn.functional as F
-import yaml
+
+from megatron_longstraw.models.config_files import ConfigFiles, longstraw_transformer_settings
 
 
 def decoder_layer_index(layer_number: int) -> int:
@@ -27,8 +28,10 @@ def decoder_layer_index(layer_number: int) -> int:
 
 
 @dataclass
-class Qwen36Config:
+class Qwen36Config(ConfigFiles):
     """Qwen3.6-27B architecture. Defaults are the full-size model (64 layers: 48 GDN + 16 full)."""
+
+    FAMILY = "Qwen3.6"
 
     vocab_size: int = 248320
     """Vocabulary size (rows of the embedding and of the output layer)."""
@@ -160,34 +163,7 @@ class Qwen36Config:
             linear_value_head_dim=self.linear_value_head_dim,
             linear_num_key_heads=self.linear_num_key_heads,
             linear_num_value_heads=self.linear_num_value_heads,
-            init_method_std=self.init_std,
-            params_dtype=params_dtype,
-            bf16=params_dtype == torch.bfloat16,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            calculate_per_token_loss=True,
-            # LongStraw checkpoints whole decoder layers itself (schedule.py).
-            recompute_granularity=None,
+            **longstraw_transformer_settings(params_dtype, self.init_std),
         )
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
-
-    # ---- files ------------------------------------------------------------------------------
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "Qwen36Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"Unknown Qwen3.6 config fields {unknown}; known fields: {sorted(known)}.")
-        return cls(**values)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "Qwen36Config":
-        """Load the `model:` section of an example YAML (or a flat mapping)."""
-        data = yaml.safe_load(Path(path).read_text())
-        return cls.from_dict(data.get("model", data))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
