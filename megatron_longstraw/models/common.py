@@ -60,3 +60,25 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.T
     logits, _ = model.output_layer(hidden, weight=weight)
     logits = logits[:, 0].to(torch.promote_types(logits.dtype, torch.float32))
     return F.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def build_hybrid_model(cfg, tcfg, stack_spec, params_dtype: torch.dtype):
+    """A Megatron `HybridModel` for a family config `cfg` (vocab, positions, pattern, tying) with
+    RoPE applied inside the mixers at true positions, cast to one dtype (Megatron's local norms
+    ignore params_dtype; Megatron's Float16Module casts the same way for bf16)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    model = HybridModel(
+        config=tcfg,
+        hybrid_stack_spec=stack_spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        hybrid_layer_pattern=cfg.hybrid_layer_pattern(),
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="none",
+    )
+    model.to(dtype=params_dtype)
+    model.longstraw_config = cfg
+    return model

@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 from megatron_longstraw import parallel, platform
+from megatron_longstraw.models.common import build_hybrid_model
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.spec import glm52_stack_spec
 
@@ -21,19 +22,5 @@ def build_glm52_model(cfg: GLM52Config, params_dtype: torch.dtype = torch.float3
         platform.enable_fp64_routing()
     tcfg = cfg.to_transformer_config(params_dtype=params_dtype, qk_layernorm=True,
                                      **{**parallel.current_sizes(), **parallel_overrides})
-    model = HybridModel(
-        config=tcfg,
-        hybrid_stack_spec=glm52_stack_spec(backend=backend, latent_norm_eps=cfg.latent_norm_eps),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        hybrid_layer_pattern=cfg.hybrid_layer_pattern(),
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="none",  # RoPE is applied inside the attention at true positions
-    )
-    # Megatron's local norms (WrappedTorchNorm) ignore params_dtype; one dtype for the whole model, as
-    # Megatron's Float16Module does for bf16.
-    model.to(dtype=params_dtype)
-    model.longstraw_config = cfg
-    return model
+    spec = glm52_stack_spec(backend=backend, latent_norm_eps=cfg.latent_norm_eps)
+    return build_hybrid_model(cfg, tcfg, spec, params_dtype)

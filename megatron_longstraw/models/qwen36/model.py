@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 from megatron_longstraw import parallel, platform
+from megatron_longstraw.models.common import build_hybrid_model
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.spec import qwen36_stack_spec
 
@@ -25,20 +26,6 @@ def build_qwen36_model(cfg: Qwen36Config, params_dtype: torch.dtype = torch.floa
                          f"(got CP={sizes.get('context_parallel_size', 1)}, TP="
                          f"{sizes.get('tensor_model_parallel_size', 1)}); GLM-5.2 supports CP/EP.")
     tcfg = cfg.to_transformer_config(params_dtype=params_dtype, **sizes)
-    model = HybridModel(
-        config=tcfg,
-        hybrid_stack_spec=qwen36_stack_spec(tcfg, rotary_base=cfg.rope_theta,
-                                            rotary_percent=cfg.partial_rotary_factor,
-                                            backend=backend),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        hybrid_layer_pattern=cfg.hybrid_layer_pattern(),
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="none",  # RoPE is applied inside the attention at true positions
-    )
-    # One dtype for the whole model (Megatron's Float16Module does the same for bf16).
-    model.to(dtype=params_dtype)
-    model.longstraw_config = cfg
-    return model
+    spec = qwen36_stack_spec(tcfg, rotary_base=cfg.rope_theta,
+                             rotary_percent=cfg.partial_rotary_factor, backend=backend)
+    return build_hybrid_model(cfg, tcfg, spec, params_dtype)
