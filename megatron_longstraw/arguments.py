@@ -8,6 +8,7 @@ with a YAML config (`--longstraw-config`; command-line flags win).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -132,33 +133,6 @@ def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
     return LongStrawConfig.from_dict(values)
 
 
-# Megatron flag -> GLM-5.2 config field (applied when the flag was given on the command line).
-GLM52_FROM_MEGATRON = {
-    "num_layers": ("num_hidden_layers", None),
-    "hidden_size": ("hidden_size", None),
-    "num_attention_heads": ("num_attention_heads", None),
-    "ffn_hidden_size": ("intermediate_size", None),
-    "q_lora_rank": ("q_lora_rank", None),
-    "kv_lora_rank": ("kv_lora_rank", None),
-    "qk_head_dim": ("qk_nope_head_dim", None),
-    "qk_pos_emb_head_dim": ("qk_rope_head_dim", None),
-    "v_head_dim": ("v_head_dim", None),
-    "num_experts": ("n_routed_experts", None),
-    "moe_router_topk": ("num_experts_per_tok", None),
-    "moe_ffn_hidden_size": ("moe_intermediate_size", None),
-    "moe_router_topk_scaling_factor": ("routed_scaling_factor", None),
-    "dsa_indexer_n_heads": ("index_n_heads", None),
-    "dsa_indexer_head_dim": ("index_head_dim", None),
-    "dsa_indexer_topk": ("index_topk", None),
-    "dsa_indexer_topk_freq": ("index_topk_freq", None),
-    "dsa_indexer_skip_topk_offset": ("index_skip_topk_offset", None),
-    "rotary_base": ("rope_theta", float),
-    "layernorm_epsilon": ("rms_norm_eps", None),
-    "max_position_embeddings": ("max_position_embeddings", None),
-    "vocab_size": ("vocab_size", None),
-}
-
-
 def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """Destinations of the flags actually present in `argv` (defaults suppressed)."""
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -174,11 +148,13 @@ def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
     return set(vars(known))
 
 
-def model_config_values(args: argparse.Namespace, given: set[str]) -> dict:
-    """The YAML `model:` section, overridden by the Megatron model flags that were given."""
+def model_config_values(args: argparse.Namespace, given: set[str],
+                        from_megatron: dict[str, tuple[str, Callable]]) -> dict:
+    """The YAML `model:` section, overridden by the Megatron model flags that were given;
+    `from_megatron` maps a flag's dest to (config field, conversion): the family's table in
+    families.py (a Megatron default never overrides the YAML, only a flag on the command line)."""
     values = dict(load_yaml(args.longstraw_config).get("model", {}))
-    for flag, (field, cast) in GLM52_FROM_MEGATRON.items():
+    for flag, (field, convert) in from_megatron.items():
         if flag in given and getattr(args, flag, None) is not None:
-            value = getattr(args, flag)
-            values[field] = cast(value) if cast else value
+            values[field] = convert(getattr(args, flag))
     return values

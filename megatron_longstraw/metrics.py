@@ -41,6 +41,8 @@ class StepLogger:
         values["grpo/loss"] = float(result.loss)
         values.update({f"time/{k}_s": float(v) for k, v in result.phase_seconds.items()})
         values["memory/page_bytes"] = float(result.page_bytes)
+        values.update({f"memory/page_bytes/{kind}": float(nbytes)
+                       for kind, nbytes in result.page_bytes_by_kind.items()})
         values.update({k: float(v) for k, v in extra.items()})
         return values
 

@@ -210,6 +210,15 @@ class PageStore:
             out[k] = out.get(k, 0) + self.nbytes(l, k)
         return out
 
+    def fixed_kinds(self) -> list[str]:
+        """Kinds stored with :meth:`put` in any layer (fixed size: independent of the number of
+        prompt tokens, e.g. a recurrent state), in first-seen order over ascending layers. Every
+        other kind is a sequence kind (bytes grow with the tokens appended)."""
+        out: list[str] = []
+        for l in self.layers():
+            out += [k for k in self.kinds(l) if k in self._fixed.get(l, {}) and k not in out]
+        return out
+
     def bytes_per_token(self, kinds: list[str] | None = None) -> float:
         """Logical bytes per prompt token over all layers for sequence kinds (default: all).
 

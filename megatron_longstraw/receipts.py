@@ -41,6 +41,38 @@ def environment() -> dict:
     }
 
 
+def page_bytes_summary(by_kind_per_rank: list[dict[str, int]], fixed_kinds: list[str],
+                       num_tokens: int) -> dict:
+    """Receipt fields for the captured pages of one step, from each rank's bytes per page kind
+    (`StepResult.page_bytes_by_kind`, in rank order) and the kinds that are fixed-size on any rank
+    (`StepResult.fixed_page_kinds`; recurrent state such as `gdn_state`, `conv_tail`).
+    `num_tokens` is the number of captured prompt tokens (P - 1: the last prompt token is the first
+    input of every response).
+
+        page_bytes_by_kind           {kind: bytes over all ranks}
+        page_bytes_by_kind_per_rank  the input, one mapping per rank
+        fixed_page_kinds             sorted; their bytes do not grow with the prompt
+        fixed_page_bytes             bytes of the fixed kinds over all ranks
+        sequence_page_bytes          bytes of every other kind (rows per prompt token)
+        page_bytes_per_token         sequence_page_bytes / num_tokens (DESIGN section 9)
+    """
+    total: dict[str, int] = {}
+    for by_kind in by_kind_per_rank:
+        for kind, nbytes in by_kind.items():
+            total[kind] = total.get(kind, 0) + int(nbytes)
+    fixed = sorted(set(fixed_kinds))
+    fixed_bytes = sum(nbytes for kind, nbytes in total.items() if kind in fixed)
+    sequence_bytes = sum(total.values()) - fixed_bytes
+    return {
+        "page_bytes_by_kind": total,
+        "page_bytes_by_kind_per_rank": [{k: int(v) for k, v in b.items()} for b in by_kind_per_rank],
+        "fixed_page_kinds": fixed,
+        "fixed_page_bytes": fixed_bytes,
+        "sequence_page_bytes": sequence_bytes,
+        "page_bytes_per_token": sequence_bytes / max(num_tokens, 1),
+    }
+
+
 def format_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

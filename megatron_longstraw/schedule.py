@@ -53,6 +53,12 @@ class StepResult:
     """Wall time of capture, scoring, replay."""
     page_bytes: int = 0
     """Bytes of captured prompt state (all pages, this rank)."""
+    page_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    """`page_bytes` per page kind (`latent`, `index_key`; `gdn_state`, `conv_tail`, `key`,
+    `value`), summed over layers (and the reference policy's capture)."""
+    fixed_page_kinds: list[str] = field(default_factory=list)
+    """The kinds of `page_bytes_by_kind` whose size does not grow with the prompt (recurrent
+    state); every other kind holds rows per prompt token."""
     selections: list[dict[int, torch.Tensor]] = field(default_factory=list)
     """Per member: each full indexer layer's top-k (global key positions) from scoring."""
 
@@ -170,9 +176,15 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
     timings["replay"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
-    page_bytes = captured.pages.nbytes() + (ref_captured.pages.nbytes() if ref_captured else 0)
+    stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])
+    by_kind: dict[str, int] = {}
+    for store in stores:
+        for kind, nbytes in store.bytes_by_kind().items():
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
+    fixed = [k for k in by_kind if any(k in store.fixed_kinds() for store in stores)]
     return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
-                      phase_seconds=timings, page_bytes=page_bytes,
+                      phase_seconds=timings, page_bytes=sum(s.nbytes() for s in stores),
+                      page_bytes_by_kind=by_kind, fixed_page_kinds=fixed,
                       selections=[sel for _, sel in scored])
 
 

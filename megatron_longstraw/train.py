@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 import warnings
@@ -26,6 +25,7 @@ from megatron_longstraw.arguments import (
     longstraw_config_from_args,
     model_config_values,
 )
+from megatron_longstraw.families import check_parallel_sizes, get_family
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -52,19 +52,16 @@ def resolve(args, given: set[str]):
     if not args.longstraw:
         raise SystemExit("This launcher runs the LongStraw GRPO schedule: pass --longstraw (for "
                          "standard Megatron pre-training use Megatron-LM's pretrain_gpt.py).")
+    family = get_family(args.longstraw_family)
+    check_parallel_sizes(family, args.expert_model_parallel_size)
     ls = longstraw_config_from_args(args)
-    values = model_config_values(args, given)
-    if args.longstraw_family == "qwen36":
-        raise SystemExit("--longstraw-family qwen36 is not available yet in this version; "
-                         "use glm52.")
-    from megatron_longstraw.models.glm52.config import GLM52Config
-
+    values = model_config_values(args, given, family.from_megatron)
     if not values:
-        raise SystemExit("No model configuration: pass --longstraw-config examples/glm52/tiny.yaml "
-                         "(or full.yaml) and/or Megatron's model flags.")
-    model_cfg = GLM52Config.from_dict(values)
+        raise SystemExit(f"No model configuration: pass --longstraw-config {family.tiny_config} "
+                         "(or full.yaml beside it) and/or Megatron's model flags.")
+    model_cfg = family.config_class.from_dict(values)
     dtype_name = args.longstraw_dtype or ("bf16" if args.bf16 else "fp32")
-    return args.longstraw_family, model_cfg, ls, DTYPES[dtype_name]
+    return family.name, model_cfg, ls, DTYPES[dtype_name]
 
 
 def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int):
@@ -100,8 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_longstraw import parallel
     from megatron_longstraw.memory import SavedTensorMeter, peak_rss_bytes
     from megatron_longstraw.metrics import ProgressBar, StepLogger
-    from megatron_longstraw.models.glm52.model import build_glm52_model
-    from megatron_longstraw.receipts import environment, format_table, human_bytes, write_json_atomic
+    from megatron_longstraw.receipts import (
+        environment,
+        format_table,
+        human_bytes,
+        page_bytes_summary,
+        write_json_atomic,
+    )
     from megatron_longstraw.schedule import train_step
 
     from megatron_longstraw.kernels import select
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    model = build_glm52_model(model_cfg, params_dtype=dtype, backend=select.dense_spec_provider(),
-                              **select.moe_config_overrides(ep))
+    model = get_family(family).build(model_cfg, dtype, ep)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = select.optimizer_class()(
         params, lr=args.lr if args.lr is not None else 1e-6,
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     logger.close()
     if result is None:
         return {}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, (result.page_bytes_by_kind, result.fixed_page_kinds))
+    pages = page_bytes_summary([by_kind for by_kind, _ in per_rank],
+                               [kind for _, fixed in per_rank for kind in fixed],
+                               num_tokens=int(group.prompt_ids.numel()) - 1)
     receipt = {
         "name": args.longstraw_run_name,
         "family": family,
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rewards": [float(r) for r in group.rewards],
         "page_bytes": int(page_total[0]),
         "page_bytes_per_rank": result.page_bytes,
-        "page_bytes_per_token": float(page_total[0]) / max(group.prompt_ids.numel() - 1, 1),
+        **pages,
         "peak_rss_bytes": int(peaks[0]),
         "peak_saved_tensor_bytes": int(peaks[1]),
         "phase_seconds": result.phase_seconds,
@@ -186,9 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
                              receipt)
     rows = [
-        ("model", f"{family} ({model_cfg.num_hidden_layers} layers, "
-                  f"{model_cfg.num_full_indexer_layers()} full indexer layers, "
-                  f"{model_cfg.n_routed_experts} experts)"),
+        ("model", f"{family} ({get_family(family).describe(model_cfg)})"),
         ("parallel", f"{world} processes, CP={cp}, EP={ep}, DP={dp_size} "
                      f"({dist.get_backend()})"),
         ("prompt / group", f"{receipt['prompt_len']} tokens, G={receipt['group_size']}, responses "
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
         ("replay+backward", f"{result.phase_seconds['replay']:.1f} s"),
         ("page bytes", f"{human_bytes(page_total[0])} in all, {human_bytes(result.page_bytes)} on "
                        f"rank 0 ({receipt['page_bytes_per_token']:.0f} B/token)"),
+        ("pages by kind", ", ".join(
+            f"{kind} {human_bytes(nbytes)}" + (" (fixed)" if kind in pages["fixed_page_kinds"] else "")
+            for kind, nbytes in pages["page_bytes_by_kind"].items())),
         ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
         ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
         ("loss", f"{result.loss:.6f}"),

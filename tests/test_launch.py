@@ -1,17 +1,20 @@
 """The Megatron-style launcher: flags (Megatron's parser + --longstraw-*), YAML resolution,
 SLURM scripts, and one short step through examples/pretrain_gpt.py."""
 
+import json
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_longstraw import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
+TINY_QWEN = str(ROOT / "examples" / "qwen36" / "tiny.yaml")
 
 
 def test_yaml_supplies_defaults_and_flags_win():
@@ -33,6 +36,48 @@ def test_megatron_defaults_do_not_override_yaml():
     args, given = train.parse(["--longstraw", "--longstraw-config", TINY])
     _, model_cfg, _, _ = train.resolve(args, given)
     assert model_cfg.num_hidden_layers == 8 and model_cfg.hidden_size == 64
+
+
+def test_qwen36_yaml_and_megatron_flags():
+    base = ["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config", TINY_QWEN]
+    args, given = train.parse(base)
+    family, model_cfg, ls, dtype = train.resolve(args, given)
+    assert family == "qwen36" and type(model_cfg).__name__ == "Qwen36Config"
+    # Megatron's defaults (--num-query-groups 1, --linear-num-key-heads 16, --rotary-percent 1.0,
+    # --kv-channels None) leave the YAML alone.
+    assert (model_cfg.num_key_value_heads, model_cfg.linear_num_key_heads) == (2, 4)
+    assert (model_cfg.partial_rotary_factor, model_cfg.head_dim) == (0.25, 32)
+    assert ls.group_size == 4 and dtype == torch.float32
+    args, given = train.parse(base + [
+        "--num-query-groups", "3", "--kv-channels", "16", "--rotary-percent", "0.5",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "6",
+        "--linear-attention-freq", "2", "--untie-embeddings-and-output-weights",
+        "--rotary-base", "500000", "--bf16"])
+    _, model_cfg, _, dtype = train.resolve(args, given)
+    assert (model_cfg.num_key_value_heads, model_cfg.head_dim) == (3, 16)
+    assert model_cfg.partial_rotary_factor == 0.5 and model_cfg.rope_theta == 500000.0
+    assert (model_cfg.linear_num_key_heads, model_cfg.linear_num_value_heads) == (2, 6)
+    assert model_cfg.full_attention_interval == 2 and model_cfg.tie_word_embeddings is False
+    assert model_cfg.hybrid_layer_pattern() == "G-*-" * 4
+    assert dtype == torch.bfloat16
+    # Megatron's list form of --linear-attention-freq (1 = linear, 0 = full attention).
+    args, given = train.parse(base + ["--linear-attention-freq", "([1]*3+[0])*2"])
+    assert train.resolve(args, given)[1].full_attention_interval == 4
+    args, given = train.parse(base + ["--linear-attention-freq", "[1,0,0,1,1,1,1,0]"])
+    with pytest.raises(ValueError, match="every n-th layer full attention"):
+        train.resolve(args, given)
+
+
+def test_qwen36_has_no_experts_to_shard():
+    args, given = train.parse(["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config",
+                               TINY_QWEN, "--expert-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 2: Qwen3\.6 has no MoE"):
+        train.resolve(args, given)
+    # A GLM-5.2 field in a Qwen3.6 YAML is named in the error.
+    args, given = train.parse(["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config",
+                               TINY])
+    with pytest.raises(ValueError, match=r"Unknown Qwen3\.6 config fields \['first_k_dense_replace'"):
+        train.resolve(args, given)
 
 
 def test_without_longstraw_flag_the_launcher_explains():
@@ -77,26 +122,68 @@ def test_slurm_scripts_are_valid_bash_and_parse(script, family, cp, ep):
     assert args.longstraw and args.longstraw_family == family
     assert (args.context_parallel_size, args.expert_model_parallel_size) == (cp, ep)
     assert {"save", "load", "tensorboard_dir", "longstraw_data"} <= given
-    if family == "glm52":  # the YAML and flags resolve to a valid configuration
-        args.longstraw_config = str(ROOT / "examples" / "glm52" / "full.yaml")
-        _, model_cfg, ls, dtype = train.resolve(args, given)
-        assert model_cfg.num_hidden_layers == 78 and ls.group_size == 8
-        assert str(dtype) == "torch.bfloat16"
+    # The YAML and flags resolve to a valid configuration.
+    args.longstraw_config = str(ROOT / "examples" / family / "full.yaml")
+    _, model_cfg, ls, dtype = train.resolve(args, given)
+    assert model_cfg.num_hidden_layers == {"glm52": 78, "qwen36": 64}[family]
+    assert ls.group_size == 8 and dtype == torch.bfloat16
+
+
+def _launch(tmp_path, *flags: str) -> tuple[str, dict]:
+    """examples/pretrain_gpt.py on one process, one step unless `flags` say otherwise (the last
+    occurrence of a flag wins): (stdout, receipt of run "t")."""
+    out = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "pretrain_gpt.py"),
+         "--longstraw", "--train-iters", "1", "--longstraw-synthetic-response-len", "8",
+         "--longstraw-group-size", "2", "--tensorboard-dir", str(tmp_path / "tb"),
+         "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t", *flags],  # flags win
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert any((tmp_path / "tb").iterdir())  # TensorBoard event file written
+    return out.stdout, json.loads((tmp_path / "t" / "receipt.json").read_text())
 
 
 def test_pretrain_gpt_runs_one_step(tmp_path):
     """The entry point end to end on one process (tiny model, short prompt)."""
-    out = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "pretrain_gpt.py"),
-         "--longstraw", "--longstraw-config", TINY, "--train-iters", "1",
-         "--longstraw-synthetic-prompt-len", "256", "--longstraw-group-size", "2",
-         "--longstraw-synthetic-response-len", "8", "--tensorboard-dir", str(tmp_path / "tb"),
-         "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"step\s+0 \| loss", out.stdout)
-    receipt = __import__("json").loads((tmp_path / "t" / "receipt.json").read_text())
+    stdout, receipt = _launch(tmp_path, "--longstraw-config", TINY,
+                              "--longstraw-synthetic-prompt-len", "256")
+    assert re.search(r"step\s+0 \| loss", stdout)
     assert receipt["prompt_len"] == 256 and receipt["group_size"] == 2
     assert receipt["world_size"] == 1 and receipt["page_bytes"] == 255 * (8 * 40 + 4 * 16) * 4
-    assert any((tmp_path / "tb").iterdir())  # TensorBoard event file written
+    # fp32 latents [32 + 8] on 8 layers, index keys [16] on the 4 full indexer layers.
+    assert receipt["page_bytes_by_kind"] == {"latent": 255 * 8 * 40 * 4, "index_key": 255 * 4 * 16 * 4}
+    assert receipt["fixed_page_kinds"] == [] and receipt["fixed_page_bytes"] == 0
+    assert receipt["page_bytes_per_token"] == (8 * 40 + 4 * 16) * 4
+
+
+def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
+    """--longstraw-family qwen36 end to end: model summary, checkpoint, receipt with the fixed-size
+    GDN state apart from the per-token K/V pages."""
+    stdout, receipt = _launch(tmp_path, "--longstraw-family", "qwen36", "--longstraw-config",
+                              TINY_QWEN, "--longstraw-synthetic-prompt-len", "300",
+                              "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    assert re.search(r"step\s+0 \| loss", stdout)
+    assert "qwen36 (8 layers: 6 Gated DeltaNet + 2 full attention, dense FFN)" in stdout
+    assert receipt["family"] == "qwen36" and receipt["expert_parallel_size"] == 1
+    # Hand count (fp32): 6 GDN layers x state [12 V heads, 16, 16] and conv tail
+    # [3, 2 x 4 x 16 + 12 x 16]; 2 full-attention layers x 299 captured tokens x [2 K/V heads, 32].
+    gdn_state, conv_tail = 6 * 12 * 16 * 16 * 4, 6 * 3 * 320 * 4
+    key = 299 * 2 * 2 * 32 * 4
+    assert receipt["page_bytes_by_kind"] == {"gdn_state": gdn_state, "conv_tail": conv_tail,
+                                             "key": key, "value": key}
+    assert receipt["page_bytes_by_kind_per_rank"] == [receipt["page_bytes_by_kind"]]
+    assert receipt["fixed_page_kinds"] == ["conv_tail", "gdn_state"]
+    assert receipt["fixed_page_bytes"] == gdn_state + conv_tail
+    assert receipt["page_bytes"] == gdn_state + conv_tail + 2 * key
+    assert receipt["page_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K/V only, as DESIGN section 9
+    saved = tmp_path / "ckpt" / "step_00000001"
+    assert json.loads((saved / "meta.json").read_text())["model"]["linear_num_key_heads"] == 4
+    rank_state = torch.load(saved / "rank_00000.pt", weights_only=False)
+    assert rank_state["extra"]["family"] == "qwen36"
+    # Resuming from it runs the second step only.
+    stdout, receipt = _launch(tmp_path, "--longstraw-family", "qwen36", "--longstraw-config",
+                              TINY_QWEN, "--longstraw-synthetic-prompt-len", "300",
+                              "--load", str(tmp_path / "ckpt"), "--train-iters", "2")
+    assert f"resumed from {saved} at step 1" in stdout
+    assert re.search(r"step\s+1 \| loss", stdout) and not re.search(r"step\s+0 \| loss", stdout)

@@ -55,6 +55,7 @@ def test_mixed_kinds_and_layers():
     assert torch.equal(store.fetch(0, "latent"), _rows(5, 576))
     # 2 layers * 5 tokens * 576 * 4 B; 2 * 5 * 128 * 4 B; 24 floats * 4 B
     assert store.bytes_by_kind() == {"latent": 23040, "index_key": 5120, "gdn_state": 96}
+    assert store.fixed_kinds() == ["gdn_state"]  # latent / index_key grow with the tokens
     assert store.nbytes(layer_idx=2) == 5 * 576 * 4 + 5 * 128 * 4
     assert store.nbytes(kind="index_key", allocated=True) == 2 * 2 * 4 * 128 * 4
     # (576 + 128) * 4 bytes per token per layer, two layers
@@ -80,6 +81,23 @@ def test_put_fetch_fixed_and_replace():
         store.num_tokens(0, "conv_tail")
     with pytest.raises(ValueError):
         store.append(0, "conv_tail", torch.zeros(1, 5))
+
+
+def test_fixed_kinds_separate_fixed_from_sequence_bytes():
+    # A Qwen3.6-like store: GDN layers 0 and 1 (state + conv tail), a K/V layer 3.
+    store = PageStore(page_tokens=4)
+    assert store.fixed_kinds() == []
+    store.append(3, "key", _rows(6, 8))
+    store.append(3, "value", _rows(6, 8))
+    assert store.fixed_kinds() == []
+    for layer in (1, 0):
+        store.put(layer, "gdn_state", torch.zeros(2, 4, 4))
+        store.put(layer, "conv_tail", torch.zeros(3, 10, dtype=torch.float64))
+    assert store.fixed_kinds() == ["gdn_state", "conv_tail"]  # each once, layer 0's order
+    by_kind = store.bytes_by_kind()
+    fixed = sum(by_kind[k] for k in store.fixed_kinds())
+    assert fixed == 2 * (32 * 4 + 30 * 8) == 736
+    assert store.nbytes() - fixed == 2 * 6 * 8 * 4  # the K/V rows alone
 
 
 def test_dtype_and_shape_mismatch_errors():
