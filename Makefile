@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-glm52 demo-qwen36 test bench clean
 
 $(VENV)/.installed: setup.py
 	@test -n "$(PYTHON)" || { echo "python3.12 not found: install Python 3.12 (megatron-core 0.19 requires it)"; exit 1; }
@@ -15,17 +15,38 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# make demo [MODEL=glm52|qwen36] [NPROC=4] [PROMPT_LEN=32768]
+MODEL ?= glm52
 NPROC ?= 4
 PROMPT_LEN ?= 32768
+MODELS := glm52 qwen36
+ifeq ($(filter $(MODEL),$(MODELS)),)
+$(error MODEL=$(MODEL): choose one of $(MODELS))
+endif
 
-# One LongStraw GRPO step of the tiny GLM-5.2, CP = EP = NPROC, through the Megatron-style launcher.
-demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
-		examples/pretrain_gpt.py --longstraw --longstraw-config examples/glm52/tiny.yaml \
-		--context-parallel-size $(NPROC) --expert-model-parallel-size $(NPROC) \
-		--train-iters 1 --lr 1e-4 --clip-grad 1.0 --seed 1234 \
-		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-group-size 4 \
-		--longstraw-run-name demo
+# One LongStraw GRPO step (G = 4) through the Megatron-style launcher, NPROC processes, CP = NPROC.
+LAUNCH = OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone \
+	--nproc-per-node $(NPROC) examples/pretrain_gpt.py --longstraw --context-parallel-size $(NPROC) \
+	--train-iters 1 --lr 1e-4 --clip-grad 1.0 --seed 1234 --longstraw-group-size 4
+
+demo: demo-$(MODEL)
+
+# Tiny GLM-5.2 (MLA + DSA + MoE), CP = EP = NPROC (experts folded on the CP ranks).
+demo-glm52: $(VENV)/.installed
+	$(LAUNCH) --longstraw-config examples/glm52/tiny.yaml --expert-model-parallel-size $(NPROC) \
+		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-run-name demo
+
+# Tiny Qwen3.6 (Gated DeltaNet + gated attention, dense FFN), CP = NPROC, EP = 1: one step at
+# PROMPT_LEN / 2 and one at PROMPT_LEN, then their receipts side by side: the GDN state and conv
+# tail keep their bytes as P doubles, the K/V pages double (the command fails if the state grew).
+demo-qwen36: $(VENV)/.installed
+	$(LAUNCH) --longstraw-family qwen36 --longstraw-config examples/qwen36/tiny.yaml \
+		--longstraw-synthetic-prompt-len $(shell expr $(PROMPT_LEN) / 2) \
+		--longstraw-run-name demo-qwen36-half
+	$(LAUNCH) --longstraw-family qwen36 --longstraw-config examples/qwen36/tiny.yaml \
+		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-run-name demo-qwen36
+	$(PY) tools/compare_receipts.py runs/demo-qwen36-half runs/demo-qwen36 \
+		--expect-constant gdn_state conv_tail
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings tests

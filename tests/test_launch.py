@@ -1,6 +1,7 @@
 """The Megatron-style launcher: flags (Megatron's parser + --longstraw-*), YAML resolution,
 SLURM scripts, and one short step through examples/pretrain_gpt.py."""
 
+import importlib.util
 import json
 import re
 import shlex
@@ -187,3 +188,62 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
                               "--load", str(tmp_path / "ckpt"), "--train-iters", "2")
     assert f"resumed from {saved} at step 1" in stdout
     assert re.search(r"step\s+1 \| loss", stdout) and not re.search(r"step\s+0 \| loss", stdout)
+
+
+def _compare_tool():
+    spec = importlib.util.spec_from_file_location("compare_receipts",
+                                                  ROOT / "tools" / "compare_receipts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _receipt(folder: Path, prompt_len: int, gdn_state: int = 73728, family: str = "qwen36") -> Path:
+    """A launcher-style receipt of a Qwen3.6 run: fixed GDN kinds, K/V growing with P - 1."""
+    from megatron_longstraw.receipts import page_bytes_summary
+
+    key = (prompt_len - 1) * 512
+    pages = page_bytes_summary([{"gdn_state": gdn_state, "conv_tail": 23040, "key": key,
+                                 "value": key}], ["gdn_state", "conv_tail"], prompt_len - 1)
+    receipt = {"family": family, "prompt_len": prompt_len,
+               "page_bytes": gdn_state + 23040 + 2 * key, **pages}
+    folder.mkdir(parents=True)
+    (folder / "receipt.json").write_text(json.dumps(receipt))
+    return folder / "receipt.json"
+
+
+def test_compare_receipts_shows_fixed_state_and_growing_pages(tmp_path, capsys):
+    tool = _compare_tool()
+    half, full = _receipt(tmp_path / "half", 2049), _receipt(tmp_path / "full", 4097)
+    assert tool.main([str(half.parent), str(full), "--expect-constant", "gdn_state",
+                      "conv_tail"]) == 0
+    out = capsys.readouterr().out
+    assert "captured prompt tokens x2.00" in out
+    assert re.search(r"gdn_state\s+72\.0 KiB\s+72\.0 KiB\s+1\.00  fixed", out)
+    assert re.search(r"key\s+1\.0 MiB\s+2\.0 MiB\s+2\.00\n", out)
+    assert "constant as the prompt grows (gdn_state, conv_tail): yes" in out
+
+    # A state that grew is caught, and so is a kind neither run has.
+    grown = _receipt(tmp_path / "grown", 4097, gdn_state=2 * 73728)
+    assert tool.main([str(half), str(grown), "--expect-constant", "gdn_state"]) == 1
+    out = capsys.readouterr().out
+    assert "constant as the prompt grows (gdn_state): NO" in out
+    assert "problem: gdn_state: 73728 B at P=2049 but 147456 B at P=4097" in out
+    assert tool.main([str(half), str(full), "--expect-constant", "latent"]) == 1
+    assert "problem: latent: no such page kind in" in capsys.readouterr().out
+    # Receipts of different families are not comparable.
+    glm = _receipt(tmp_path / "glm", 4097, family="glm52")
+    assert tool.main([str(half), str(glm)]) == 1
+    assert "different families (qwen36 and glm52)" in capsys.readouterr().out
+
+
+def test_compare_receipts_rejects_old_or_missing_receipts(tmp_path):
+    tool = _compare_tool()
+    old = tmp_path / "old" / "receipt.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"prompt_len": 256, "page_bytes": 1}))
+    half = _receipt(tmp_path / "half", 2049)
+    with pytest.raises(SystemExit, match=r"missing \['page_bytes_by_kind', 'fixed_page_kinds'\]"):
+        tool.main([str(half), str(old)])
+    with pytest.raises(SystemExit, match="no such receipt"):
+        tool.main([str(half), str(tmp_path / "nowhere")])
