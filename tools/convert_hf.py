@@ -3,21 +3,34 @@
 
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2 --out glm52-ls --dtype bf16
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2-back --out glm52-ls --to-hf
+    python tools/convert_hf.py --family qwen36 --hf-dir Qwen3.6-27B --out qwen36-ls --dtype bf16
 
 `--hf-dir` is always the Hugging Face directory (config.json + *.safetensors, sharded with
 model.safetensors.index.json or not) and `--out` the plugin-format directory
 (megatron_longstraw/checkpoint.py documents it): the command reads the first and writes the second,
 and the same command with `--to-hf` goes back (it never overwrites a non-empty directory).
 
-The tensor mapping is hf.py's (the one its state-dict functions and logit-parity test use), applied
-to tensors by name: no model and no process group are built. HF tensors are read lazily, one at a
-time (safetensors `safe_open`); `--to-hf` writes shard by shard. On disk HF keeps routed experts as
+The tensor mapping is the family's hf.py (the one its state-dict functions and logit-parity tests
+use), applied to tensors by name: no model and no process group are built. What differs between the
+families is one row of `FAMILIES` below; the reading, checking and writing are shared. HF tensors
+are read lazily, one at a time (safetensors `safe_open`); `--to-hf` writes shard by shard. Memory:
+HF -> plugin holds the converted weights once (the format is a single safetensors file); --to-hf
+holds one shard. FP8 block-quantised checkpoints must be dequantised first.
+
+glm52 (transformers `glm_moe_dsa`): on disk HF keeps routed experts as
 `mlp.experts.{e}.{gate,up,down}_proj.weight` (transformers stacks them into `gate_up_proj` /
-`down_proj` when loading); both layouts are read, the on-disk one is written.
-Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped (the model has no
-MTP head); FP8 block-quantised checkpoints must be dequantised first. Memory: HF -> plugin holds
-the converted weights once (the format is a single safetensors file); --to-hf holds one shard.
-`--family qwen36` is not implemented yet and says so.
+`down_proj` when loading); both layouts are read, the on-disk one is written. Multi-token-prediction
+layers (`model.layers.{num_hidden_layers}.*`) are skipped (the model has no MTP head).
+
+qwen36 (transformers `qwen3_5_text`, i.e. `Qwen3_5ForCausalLM`, or a `qwen3_5` vision-language
+checkpoint): a vision-language checkpoint's text model is converted (`model.language_model.*`);
+`model.visual.*` and the MTP head `mtp.*` are skipped, and `--to-hf` writes a text-only
+`Qwen3_5ForCausalLM` checkpoint. Values are transformed, not only renamed (hf.py): the GDN
+`in_proj_{qkv,z,b,a}` and the FFN `[gate; up]` are concatenated, `q_proj` (per head [q; gate]) with
+`k_proj` / `v_proj` becomes Megatron's per-group `linear_qkv`, and the GDN output norm's plain gain
+w becomes Megatron's zero-centred w - 1 (and w + 1 on the way back). w - 1 and back is exact when
+the model format is wider than the checkpoint (fp32 -> fp64) or when w lies in [0.5, 2] (Sterbenz's
+lemma), which holds for trained gains near 1; otherwise it rounds once in the format's dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +52,157 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_longstraw import checkpoint  # noqa: E402
+# hf.py's name-level mappings and value transforms (private there: their public functions need a
+# built model).
+from megatron_longstraw.models.glm52 import hf as glm52_hf  # noqa: E402
+from megatron_longstraw.models.glm52.config import GLM52Config  # noqa: E402
+from megatron_longstraw.models.qwen36 import hf as qwen36_hf  # noqa: E402
+from megatron_longstraw.models.qwen36.config import Qwen36Config  # noqa: E402
 
-FAMILIES = {"glm52": "glm_moe_dsa", "qwen36": None}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+Read = Callable[[str], torch.Tensor]
+"""HF text-model tensor name -> tensor (shape-checked against config.json)."""
+Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ConversionError(ValueError):
     """A checkpoint this tool cannot convert; the message says why and what to do."""
+
+
+# ---- the families -------------------------------------------------------------------------------
+
+
+def _expert_slot(stacked: str, expert: int) -> list[str]:
+    """On-disk names of routed expert `expert` inside transformers' stacked tensor `stacked`
+    (`...mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `...down_proj` [E, H, I])."""
+    prefix, kind = stacked.rsplit(".", 1)
+    if kind == "gate_up_proj":
+        return [f"{prefix}.{expert}.gate_proj.weight", f"{prefix}.{expert}.up_proj.weight"]
+    return [f"{prefix}.{expert}.down_proj.weight"]
+
+
+def _glm52_text_names(cfg: GLM52Config, names) -> dict[str, str]:
+    """{name in the mapping: on-disk name}, without the MTP layers (index >= num_hidden_layers)."""
+    return {n: n for n in names
+            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers)}
+
+
+def _glm52_to_ours(cfg: GLM52Config, entry, read: Read, dtype: torch.dtype, available) -> list:
+    if entry.kind == "copy":
+        values = [read(entry.hf[0])]
+    elif entry.kind == "cat":  # dense / shared-expert [gate; up]
+        values = [torch.cat([read(n) for n in entry.hf])]
+    elif entry.hf[0] in available:  # routed experts saved stacked (transformers' in-memory layout)
+        values = list(read(entry.hf[0]).unbind(0))
+    else:                           # routed experts one by one (the layout save_pretrained writes)
+        values = [torch.cat([read(n) for n in _expert_slot(entry.hf[0], e)])
+                  for e in range(len(entry.meg))]
+    return list(zip(entry.meg, values))
+
+
+def _glm52_to_hf(cfg: GLM52Config, entry) -> list[tuple[str, str, Transform]]:
+    first, second = (lambda t: t.chunk(2)[0]), (lambda t: t.chunk(2)[1])  # [gate; up] rows
+    if entry.kind == "copy":
+        return [(entry.hf[0], entry.meg[0], _identity)]
+    if entry.kind == "cat":
+        return [(entry.hf[0], entry.meg[0], first), (entry.hf[1], entry.meg[0], second)]
+    plan = []
+    for e, meg in enumerate(entry.meg):
+        parts = _expert_slot(entry.hf[0], e)
+        rows = [first, second] if len(parts) == 2 else [_identity]
+        plan += [(hf, meg, row) for hf, row in zip(parts, rows)]
+    return plan
+
+
+def _qwen36_text_config(hf_cfg: dict) -> dict:
+    """The text model's config.json values (a vision-language config keeps them in text_config)."""
+    values = dict(hf_cfg.get("text_config") or hf_cfg)
+    values.pop("model_type", None)
+    return values
+
+
+def _qwen36_text_names(cfg: Qwen36Config, names) -> dict[str, str]:
+    """{Qwen3_5ForCausalLM name: on-disk name}: hf.text_state_dict's renaming and dropping
+    (vision tower, MTP head), applied to the names (each maps to itself there)."""
+    return qwen36_hf.text_state_dict({n: n for n in names})
+
+
+def _qwen36_to_ours(cfg: Qwen36Config, entry, read: Read, dtype: torch.dtype, available) -> list:
+    values = [read(n) for n in entry.hf]
+    if entry.kind == "copy":
+        return [(entry.meg, values[0])]
+    if entry.kind == "minus_one":  # plain gain -> zero-centred, in the format's dtype
+        return [(entry.meg, values[0].to(dtype) - 1)]
+    if entry.kind == "cat":
+        return [(entry.meg, torch.cat(values))]
+    return [(entry.meg, qwen36_hf._qkv_to_megatron(cfg, *values))]  # gated_qkv
+
+
+def _qwen36_to_hf(cfg: Qwen36Config, entry) -> list[tuple[str, str, Transform]]:
+    if entry.kind == "copy":
+        return [(entry.hf[0], entry.meg, _identity)]
+    if entry.kind == "minus_one":
+        return [(entry.hf[0], entry.meg, lambda t: t + 1)]
+    if entry.kind == "cat":
+        sizes = qwen36_hf._cat_sizes(cfg, entry)
+        return [(hf, entry.meg, lambda t, j=j: t.split(sizes)[j]) for j, hf in enumerate(entry.hf)]
+    return [(hf, entry.meg, lambda t, j=j: qwen36_hf._qkv_to_hf(cfg, t)[j])  # gated_qkv
+            for j, hf in enumerate(entry.hf)]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's HF <-> model-format conversion: everything the shared code needs."""
+
+    name: str
+    """`--family` value; the model format's `family`."""
+    title: str
+    """What the family is, for messages."""
+    model_types: tuple[str, ...]
+    """config.json `model_type` values that convert."""
+    hf_config_class: str
+    """transformers config class of the text model (for --to-hf and the expected shapes)."""
+    hf_model_class: str
+    """transformers model class; the `architectures` entry --to-hf writes."""
+    config_class: type
+    """Our config dataclass (the model format's `model`)."""
+    config_from_hf: Callable
+    """config.json dict -> our config (ValueError for unsupported settings)."""
+    hf_config: Callable
+    """our config -> transformers config (when the stored config.json does not describe it)."""
+    mapping: Callable
+    """our config -> hf.py's correspondences."""
+    text_config: Callable[[dict], dict]
+    """config.json dict -> the text model's config values."""
+    text_names: Callable
+    """(our config, on-disk names) -> {name in the mapping: on-disk name}; names left out are
+    deliberately skipped (MTP layers, a vision tower)."""
+    to_ours: Callable
+    """(our config, entry, read, dtype, names available) -> [(model-format name, tensor)]."""
+    to_hf: Callable
+    """(our config, entry) -> [(HF name, model-format name, transform of that tensor)]."""
+    float32_names: tuple[str, ...] = ()
+    """Name suffixes (either side) kept in float32 whatever --dtype says."""
+
+
+FAMILIES = {
+    "glm52": Family(
+        "glm52", "GLM-5.2 text model", ("glm_moe_dsa",), "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+        GLM52Config, glm52_hf.glm52_config_from_hf, glm52_hf.hf_config, glm52_hf._mapping,
+        lambda hf_cfg: dict(hf_cfg), _glm52_text_names, _glm52_to_ours, _glm52_to_hf,
+        # Megatron keeps the routers' expert_bias in float32 whatever the parameter dtype.
+        float32_names=("router.expert_bias", "e_score_correction_bias")),
+    "qwen36": Family(
+        "qwen36", "Qwen3.6 / Qwen3.5 Gated-DeltaNet hybrid", ("qwen3_5_text", "qwen3_5"),
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", Qwen36Config, qwen36_hf.qwen36_config_from_hf,
+        qwen36_hf.hf_config, qwen36_hf._mapping, _qwen36_text_config, _qwen36_text_names,
+        _qwen36_to_ours, _qwen36_to_hf),
+}
 
 
 # ---- Hugging Face side --------------------------------------------------------------------------
@@ -61,22 +220,14 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def _expert_slot(stacked: str, expert: int) -> list[str]:
-    """On-disk names of routed expert `expert` inside transformers' stacked tensor `stacked`
-    (`...mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `...down_proj` [E, H, I])."""
-    prefix, kind = stacked.rsplit(".", 1)
-    if kind == "gate_up_proj":
-        return [f"{prefix}.{expert}.gate_proj.weight", f"{prefix}.{expert}.up_proj.weight"]
-    return [f"{prefix}.{expert}.down_proj.weight"]
-
-
-def _expected_hf_shapes(hf_config_dict: dict) -> dict[str, tuple[int, ...]]:
+def _expected_hf_shapes(family: Family, text_config: dict) -> dict[str, tuple[int, ...]]:
     """Tensor shapes the config implies, transformers' in-memory names plus on-disk expert names
     (a meta-device model: no memory, no weights)."""
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    import transformers
 
+    config = getattr(transformers, family.hf_config_class).from_dict(dict(text_config))
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig.from_dict(dict(hf_config_dict)))
+        model = getattr(transformers, family.hf_model_class)(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name, shape in list(shapes.items()):
         if name.endswith("experts.gate_up_proj"):
@@ -89,22 +240,35 @@ def _expected_hf_shapes(hf_config_dict: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_to_longstraw(hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
-    """GLM-5.2 Hugging Face directory -> model format. Returns a summary."""
-    # hf.py's name-level mapping (private there: its public functions need a built model).
-    from megatron_longstraw.models.glm52.hf import _mapping, glm52_config_from_hf
+def _declared_dtype(hf_cfg: dict) -> str | None:
+    for values in (hf_cfg, hf_cfg.get("text_config") or {}):
+        declared = values.get("dtype") or values.get("torch_dtype")
+        if declared:
+            return declared
+    return None
 
+
+def _check_model_type(family: Family, hf_cfg: dict, config_path: Path) -> None:
+    model_type = hf_cfg.get("model_type")
+    if model_type in family.model_types:
+        return
+    other = [f.name for f in FAMILIES.values() if model_type in f.model_types]
+    hint = f" (that is --family {other[0]})" if other else ""
+    raise ConversionError(f"{config_path}: model_type {model_type!r}{hint} is not "
+                          f"{' or '.join(map(repr, family.model_types))} ({family.title}); nothing "
+                          f"else converts to --family {family.name}.")
+
+
+def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
+    """Hugging Face directory of `family` -> model format. Returns a summary."""
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise ConversionError(f"{hf_dir} has no config.json.")
     hf_cfg = json.loads(config_path.read_text())
-    if hf_cfg.get("model_type") != FAMILIES["glm52"]:
-        raise ConversionError(f"{config_path}: model_type {hf_cfg.get('model_type')!r} is not "
-                              f"{FAMILIES['glm52']!r} (GLM-5.2 text model); nothing else converts "
-                              "to --family glm52.")
-    cfg = glm52_config_from_hf(hf_cfg)
+    _check_model_type(family, hf_cfg, config_path)
+    cfg = family.config_from_hf(hf_cfg)
     if dtype is None:
-        declared = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+        declared = _declared_dtype(hf_cfg)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float64": torch.float64}.get(declared)
         if dtype is None:
@@ -115,50 +279,40 @@ def hf_to_longstraw(hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
     if quantised:
         raise ConversionError(f"{hf_dir} is FP8 block-quantised ({len(quantised)} tensors such as "
                               f"{quantised[0]}); dequantise it to bf16 first.")
-    expected = _expected_hf_shapes(hf_cfg)
+    expected = _expected_hf_shapes(family, family.text_config(hf_cfg))
+    on_disk = family.text_names(cfg, list(hf))  # {mapping name: on-disk name}
     used: set[str] = set()
 
     def read(name: str) -> torch.Tensor:
-        if name not in hf:
+        if name not in on_disk:
             raise ConversionError(f"{hf_dir} lacks tensor {name}.")
-        if name in expected and hf.shape(name) != expected[name]:
-            raise ConversionError(f"{hf_dir}: {name} has shape {hf.shape(name)}, but config.json "
+        disk = on_disk[name]
+        if name in expected and hf.shape(disk) != expected[name]:
+            raise ConversionError(f"{hf_dir}: {disk} has shape {hf.shape(disk)}, but config.json "
                                   f"implies {expected[name]}.")
         used.add(name)
-        return hf[name]
+        return hf[disk]
 
     tensors: dict[str, torch.Tensor] = {}
-    for entry in _mapping(cfg):
-        if entry.kind == "copy":
-            values = [read(entry.hf[0])]
-        elif entry.kind == "cat":  # dense / shared-expert [gate; up]
-            values = [torch.cat([read(n) for n in entry.hf])]
-        elif entry.hf[0] in hf:    # routed experts saved stacked (transformers' in-memory layout)
-            values = list(read(entry.hf[0]).unbind(0))
-        else:                      # routed experts one by one (the layout save_pretrained writes)
-            values = [torch.cat([read(n) for n in _expert_slot(entry.hf[0], e)])
-                      for e in range(len(entry.meg))]
-        for name, value in zip(entry.meg, values):
-            # Megatron keeps the routers' expert_bias in float32 whatever the parameter dtype.
-            target = torch.float32 if name.endswith("router.expert_bias") else dtype
+    for entry in family.mapping(cfg):
+        for name, value in family.to_ours(cfg, entry, read, dtype, on_disk):
+            target = torch.float32 if name.endswith(family.float32_names) else dtype
             tensors[name] = value.to(target).contiguous()
-    if cfg.tie_word_embeddings and "lm_head.weight" in hf:
-        if not torch.equal(read("lm_head.weight"), hf["model.embed_tokens.weight"]):
+    if cfg.tie_word_embeddings and "lm_head.weight" in on_disk:
+        if not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
             raise ConversionError("tie_word_embeddings is true but lm_head.weight differs from "
                                   "model.embed_tokens.weight.")
-    left = sorted(set(hf) - used)
-    mtp = [n for n in left if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers]
-    unknown = sorted(set(left) - set(mtp))
+    unknown = sorted(set(on_disk) - used)
     if unknown:
         raise ConversionError(f"{hf_dir} has {len(unknown)} tensors with no place in the model, "
-                              f"e.g. {unknown[:5]}.")
-    checkpoint.write_model(out, tensors, "glm52", cfg.to_dict(), dtype,
+                              f"e.g. {[on_disk[n] for n in unknown[:5]]}.")
+    checkpoint.write_model(out, tensors, family.name, cfg.to_dict(), dtype,
                            layout={"world_size": 1, "context_parallel_size": 1,
                                    "expert_parallel_size": 1, "data_parallel_size": 1},
                            source=str(hf_dir.resolve()),
                            # --to-hf restores what the model config does not carry (token ids).
                            extra_meta={"hf_config": hf_cfg})
-    return {"tensors": len(tensors), "skipped_mtp": len(mtp),
+    return {"tensors": len(tensors), "skipped": len(hf) - len(on_disk),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
@@ -174,59 +328,43 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
-def longstraw_to_hf(model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
+def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
                     max_shard_bytes: int) -> dict:
-    """Model format -> GLM-5.2 Hugging Face directory (config.json + safetensors shards)."""
-    from transformers import GlmMoeDsaConfig
-
-    from megatron_longstraw.models.glm52.config import GLM52Config
-    from megatron_longstraw.models.glm52.hf import _mapping, glm52_config_from_hf, hf_config
+    """Model format -> Hugging Face directory of `family` (config.json + safetensors shards)."""
+    import transformers
 
     meta, tensors = checkpoint.read_model(model_dir)
-    if meta["family"] != "glm52":
-        raise ConversionError(f"{model_dir} holds a {meta['family']!r} model, not glm52.")
-    cfg = GLM52Config.from_dict(meta["model"])
+    if meta["family"] != family.name:
+        raise ConversionError(f"{model_dir} holds a {meta['family']!r} model, not {family.name}.")
+    cfg = family.config_class.from_dict(meta["model"])
     dtype = dtype or {v: k for k, v in checkpoint.DTYPE_NAMES.items()}[meta["dtype"]]
     stored = meta.get("hf_config")
-    if stored is not None and glm52_config_from_hf(stored) == cfg:
-        config = GlmMoeDsaConfig.from_dict(dict(stored))
+    text = family.text_config(stored) if stored is not None else None
+    if text is not None and family.config_from_hf(text) == cfg:
+        config = getattr(transformers, family.hf_config_class).from_dict(text)
     else:
-        config = hf_config(cfg)
-    config.architectures = ["GlmMoeDsaForCausalLM"]
+        config = family.hf_config(cfg)
+    config.architectures = [family.hf_model_class]
     config.dtype = dtype
+    expected = _expected_hf_shapes(family, config.to_dict())
 
-    # (hf name, megatron name, rows of the megatron tensor or None for all)
-    plan: list[tuple[str, str, slice | None]] = []
-    for entry in _mapping(cfg):
-        if entry.kind == "copy":
-            plan.append((entry.hf[0], entry.meg[0], None))
-        elif entry.kind == "cat":
-            half = tensors.shape(entry.meg[0])[0] // 2
-            plan += [(entry.hf[0], entry.meg[0], slice(0, half)),
-                     (entry.hf[1], entry.meg[0], slice(half, None))]
-        else:
-            for e, meg in enumerate(entry.meg):
-                parts = _expert_slot(entry.hf[0], e)
-                half = tensors.shape(meg)[0] // 2
-                rows = [slice(0, half), slice(half, None)] if len(parts) == 2 else [None]
-                plan += [(hf, meg, r) for hf, r in zip(parts, rows)]
+    # (hf name, model-format name, transform of the model-format tensor)
+    plan = [item for entry in family.mapping(cfg) for item in family.to_hf(cfg, entry)]
     missing = sorted({meg for _, meg, _ in plan} - set(tensors))
     if missing:
         raise ConversionError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:5]}.")
 
     def out_dtype(hf_name: str) -> torch.dtype:
-        return torch.float32 if hf_name.endswith("e_score_correction_bias") else dtype
+        return torch.float32 if hf_name.endswith(family.float32_names) else dtype
 
-    def nbytes(hf_name: str, meg: str, rows: slice | None) -> int:
-        shape = list(tensors.shape(meg))
-        if rows is not None:
-            shape[0] = len(range(shape[0])[rows])
-        return int(torch.Size(shape).numel()) * torch.empty((), dtype=out_dtype(hf_name)).element_size()
+    def nbytes(hf_name: str) -> int:
+        return (int(torch.Size(expected[hf_name]).numel())
+                * torch.empty((), dtype=out_dtype(hf_name)).element_size())
 
-    shards: list[list[tuple[str, str, slice | None]]] = [[]]
+    shards: list[list[tuple[str, str, Transform]]] = [[]]
     size = 0
     for item in plan:
-        n = nbytes(*item)
+        n = nbytes(item[0])
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -246,9 +384,13 @@ def longstraw_to_hf(model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
         weight_map, total = {}, 0
         for file_name, shard in zip(names, shards):
             out = {}
-            for hf_name, meg, rows in shard:  # one shard in memory at a time
-                value = tensors[meg]
-                out[hf_name] = (value if rows is None else value[rows]).to(out_dtype(hf_name))
+            for hf_name, meg, transform in shard:  # one shard in memory at a time
+                value = transform(tensors[meg]).to(out_dtype(hf_name))
+                if tuple(value.shape) != expected[hf_name]:
+                    raise ConversionError(f"{model_dir}: {meg} gives {hf_name} of shape "
+                                          f"{tuple(value.shape)}, but the config implies "
+                                          f"{expected[hf_name]}.")
+                out[hf_name] = value
                 weight_map[hf_name] = file_name
                 total += out[hf_name].numel() * out[hf_name].element_size()
             checkpoint.write_safetensors(tmp / file_name, out)
@@ -271,7 +413,8 @@ def longstraw_to_hf(model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES),
-                        help="Model family (glm52: transformers' glm_moe_dsa text models).")
+                        help="Model family (glm52: transformers' glm_moe_dsa text models; "
+                             "qwen36: qwen3_5_text / qwen3_5 checkpoints, text model).")
     parser.add_argument("--hf-dir", required=True, type=Path,
                         help="Hugging Face checkpoint directory (read; written with --to-hf).")
     parser.add_argument("--out", required=True, type=Path,
@@ -279,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to-hf", action="store_true",
                         help="Convert --out back to a Hugging Face checkpoint in --hf-dir.")
     parser.add_argument("--dtype", choices=sorted(checkpoint.DTYPES), default=None,
-                        help="Weight dtype written (default: the source's; routers' expert bias "
-                             "stays float32).")
+                        help="Weight dtype written (default: the source's; GLM-5.2 routers' "
+                             "expert bias stays float32).")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                         help="Largest safetensors shard written with --to-hf (default 5GB).")
     return parser
@@ -288,19 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.family == "qwen36":
-        sys.exit("convert_hf.py: error: --family qwen36 is not implemented yet: this tool "
-                 "converts only GLM-5.2 checkpoints (--family glm52); it has no Qwen3.6 "
-                 "(Gated-DeltaNet hybrid) mapping. Nothing was written.")
+    family = FAMILIES[args.family]
     dtype = checkpoint.DTYPES[args.dtype] if args.dtype else None
     try:
         if args.to_hf:
-            summary = longstraw_to_hf(args.out, args.hf_dir, dtype, args.max_shard_size)
+            summary = longstraw_to_hf(family, args.out, args.hf_dir, dtype, args.max_shard_size)
             where = args.hf_dir
         else:
             if args.out.exists() and any(args.out.iterdir()):
                 raise ConversionError(f"{args.out} exists and is not empty; choose a new --out.")
-            summary = hf_to_longstraw(args.hf_dir, args.out, dtype)
+            summary = hf_to_longstraw(family, args.hf_dir, args.out, dtype)
             where = args.out
     except (ConversionError, FileNotFoundError, FileExistsError, KeyError, ValueError) as exc:
         sys.exit(f"convert_hf.py: error: {exc}")
