@@ -203,6 +203,69 @@ def merge_partials_by_lse(out: torch.Tensor, lse: torch.Tensor, layout: CPLayout
     return merged
 
 
+class HeadParallel:
+    """Rows sharded by position across the CP group <-> the whole sequence in position order with the
+    last dim cut into CP column blocks (this rank's heads): Megatron-Core's context-parallel to
+    head-parallel all-to-all (`all_to_all_sp2hp` / `all_to_all_hp2sp`, as its Gated DeltaNet uses
+    under CP), for shards of unequal length. Both directions are differentiable (the backward of an
+    all-to-all is the reverse all-to-all).
+
+    shard_positions: each rank's positions (rank order), together a permutation of 0 .. total - 1.
+    """
+
+    def __init__(self, layout: CPLayout, shard_positions: list[torch.Tensor]):
+        self.layout = layout
+        self.rows = max(int(p.numel()) for p in shard_positions)       # every shard padded to this
+        self.local_rows = int(shard_positions[layout.rank].numel())
+        total = sum(int(p.numel()) for p in shard_positions)
+        device = shard_positions[0].device
+        self.index = torch.empty(total, dtype=torch.long, device=device)  # position -> exchanged row
+        for rank, positions in enumerate(shard_positions):
+            self.index[positions] = rank * self.rows + torch.arange(positions.numel(), device=device)
+
+    @classmethod
+    def for_prompt(cls, layout: CPLayout, length: int, device=None) -> "HeadParallel":
+        """The load-balanced prompt shards of `CPLayout.prompt_positions`."""
+        return cls(layout, [CPLayout(None, layout.size, r).prompt_positions(length, device)
+                            for r in range(layout.size)])
+
+    @classmethod
+    def for_branch(cls, layout: CPLayout, padded_length: int, device=None) -> "HeadParallel":
+        """The contiguous, equal branch rows of `CPLayout.branch_rows` (positions relative)."""
+        per_rank = padded_length // layout.size
+        return cls(layout, [torch.arange(r * per_rank, (r + 1) * per_rank, device=device)
+                            for r in range(layout.size)])
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[n_local, d] (this rank's rows) -> [total, d / size] (all rows, this rank's columns)."""
+        from megatron.core.tensor_parallel.mappings import all_to_all_sp2hp
+
+        if x.shape[-1] % self.layout.size:
+            raise ValueError(f"{x.shape[-1]} columns do not split over CP {self.layout.size}.")
+        padded = torch.cat([x, x.new_zeros((self.rows - x.shape[0],) + x.shape[1:])])
+        return all_to_all_sp2hp(padded, group=self.layout.group)[self.index]
+
+    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """[total, d / size] -> [n_local, d]: the inverse of `to_heads`."""
+        from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp
+
+        padded = y.new_zeros((self.layout.size * self.rows,) + y.shape[1:]).index_copy(
+            0, self.index, y)
+        return all_to_all_hp2sp(padded, group=self.layout.group)[:self.local_rows]
+
+
+def broadcast_rows(x: torch.Tensor, src: int, rows: int, layout: CPLayout,
+                   fill: float | int = 0) -> torch.Tensor:
+    """CP rank `src`'s `x` [n, ...] (n <= rows), padded to `rows` with `fill`, on every rank of the
+    group (no autograd). Every rank passes a tensor of the same trailing shape and dtype."""
+    out = x.new_full((rows,) + x.shape[1:], fill)
+    if layout.rank == src:
+        out[:x.shape[0]] = x
+    if layout.size > 1:
+        dist.broadcast(out, src=dist.get_global_rank(layout.group, src), group=layout.group)
+    return out
+
+
 @torch.no_grad()
 def gather_tensor(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
     """Non-differentiable all_gather of equal-size blocks along dim 0."""

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from helpers import build_tiny_glm
+from helpers import build_tiny_glm, build_tiny_qwen
 
 
 def _group(cfg, prompt_len, lens, seed):
@@ -46,7 +46,7 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
         selections.append(result.selections)
     finalize_longstraw_grads(model)
     norm = grad_norm(model)
-    name = lambda n: global_name(n, cfg.n_routed_experts)
+    name = lambda n: global_name(n, getattr(cfg, "n_routed_experts", 0))
     grads = {name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     optimizer.step()
     params = {name(n): p.detach().clone() for n, p in model.named_parameters()}
@@ -164,3 +164,25 @@ def short_prompt_worker(rank, state_path, prompt_len):
     group = groups_for(cfg, 1, prompt_len=prompt_len)[0]
     result = forward_backward_longstraw(model, group, longstraw_cfg(3))
     return [lp.clone() for lp in result.logps]
+
+
+def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
+    """Qwen3.6 on CP ranks: one optimizer step (twice from the same weights with repeat=2), and the
+    GDN pages this rank captured for the group's prompt."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.capture import capture_prompt
+
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=1,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    cfg, model = build_tiny_qwen(torch.float64)
+    full = torch.load(state_path)
+    group = groups_for(cfg, 1, prompt_len=prompt_len, lens=lens)[0]
+    runs = []
+    for _ in range(repeat):
+        model.load_state_dict(full, strict=False)
+        runs.append(step(model, cfg, [group], 1))
+    model.load_state_dict(full, strict=False)  # the pages of the weights before the step
+    captured = capture_prompt(model, group.prompt_ids, longstraw_cfg(len(lens)))
+    pages = {(layer, kind): captured.pages.fetch(layer, kind).clone()
+             for layer in captured.pages.layers() for kind in captured.pages.kinds(layer)}
+    return {"runs": runs, "pages": pages, "positions": captured.positions}

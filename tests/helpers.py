@@ -13,6 +13,7 @@ from megatron_longstraw.platform import manual_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GLM = ROOT / "examples" / "glm52" / "tiny.yaml"
+TINY_QWEN = ROOT / "examples" / "qwen36" / "tiny.yaml"
 
 
 def tiny_glm_config(**overrides) -> GLM52Config:
@@ -36,6 +37,26 @@ def build_tiny_glm(dtype=torch.float64, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return cfg, model
+
+
+def build_tiny_qwen(dtype=torch.float64, seed: int = 0):
+    """The tiny Qwen3.6 example model with non-trivial zero-centred norms and slow GDN decays (so the
+    recurrent state carries many prompt tokens; Megatron's default A in [1, 16] forgets within a
+    few tokens)."""
+    from megatron_longstraw.models.qwen36.config import Qwen36Config
+    from megatron_longstraw.models.qwen36.model import build_qwen36_model
+
+    manual_seed(seed)
+    cfg = Qwen36Config.from_yaml(TINY_QWEN)
+    model = build_qwen36_model(cfg, params_dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen, dtype=dtype))
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty_like(param).uniform_(0.02, 0.5, generator=gen).log())
     return cfg, model
 
 

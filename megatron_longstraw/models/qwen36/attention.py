@@ -17,6 +17,12 @@ queries see the keys written so far), so nothing is O(P^2); attention itself run
 and per key block (`BlockwiseAttention`: O(query_block x heads x key_block) scratch, backward
 recomputes per block), so replay never holds a [R, heads, P] score matrix. Prompt pages are
 constants in replay (`PageStore.leaf` is the hook for the exact prompt-gradient mode).
+
+Context parallelism (DESIGN section 3): each rank captures its load-balanced prompt shard and keeps
+its K/V rows as pages; capture streams every shard's K/V past every rank's queries in turn
+(broadcast, partial attention, log-sum-exp merge); replay gathers the branch's queries, attends
+them over each rank's shard and merges the partial outputs by log-sum-exp, as for GLM-5.2. No head
+constraint: GQA groups stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from megatron_longstraw import parallel
 from megatron_longstraw.kernels import select
+from megatron_longstraw.kernels.refs import merge_partial_attention
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
+from megatron_longstraw.parallel import CPLayout
 from megatron_longstraw.state import AttentionPass, current_pass
 
 KEY = "key"      # page kind: K rows [P, groups, head_dim] (after k_norm and RoPE)
@@ -54,8 +63,10 @@ class BlockwiseAttention(torch.autograd.Function):
     inputs, the output and the log-sum-exp, never a [s, heads, t] matrix.
 
     q: [s, g, r, d] (g K/V groups, r query heads per group), k, v: [t, g, d], q_pos [s], k_pos [t]
-    (integer positions; key i is visible to query j iff k_pos[i] <= q_pos[j]). Returns out
-    [s, g, r, d] in q's dtype; statistics in float32 or wider. A query with no visible key gets 0.
+    (integer positions; key i is visible to query j iff k_pos[i] <= q_pos[j]). Returns (out
+    [s, g, r, d] in q's dtype, log-sum-exp [s, g, r] in float32 or wider), both differentiable (the
+    log-sum-exp lets partial results over disjoint key sets merge exactly, as under context
+    parallelism). A query with no visible key gets out 0 and log-sum-exp -inf.
     """
 
     @staticmethod
@@ -80,15 +91,18 @@ class BlockwiseAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
         ctx.scale, ctx.key_block = scale, key_block
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
         scale, acc = ctx.scale, lse.dtype
         grad_out = grad_out.to(acc)
         q_acc = q.to(acc)
+        # d lse / d score = prob, so a log-sum-exp gradient enters like -delta (flash backward).
         delta = (grad_out * out.to(acc)).sum(-1)                        # [s, g, r]
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc).nan_to_num(0.0)
         lse = lse.nan_to_num(neginf=0.0)
         grad_q = torch.zeros_like(q_acc)
         grad_k = torch.zeros(k.shape, dtype=acc, device=k.device) if ctx.needs_input_grad[1] else None
@@ -107,12 +121,15 @@ class BlockwiseAttention(torch.autograd.Function):
                 None if grad_v is None else grad_v.to(v.dtype), None, None, None, None)
 
 
-def blockwise_attention(q, k, v, q_pos, k_pos, scale: float, key_block: int) -> torch.Tensor:
-    """q [s, heads, d], k, v [t, groups, d] -> [s, heads, d] (see `BlockwiseAttention`)."""
+def blockwise_attention(q, k, v, q_pos, k_pos, scale: float, key_block: int,
+                        return_lse: bool = False):
+    """q [s, heads, d], k, v [t, groups, d] -> out [s, heads, d], and with `return_lse` also the
+    log-sum-exp [s, heads] (see `BlockwiseAttention`)."""
     groups = k.shape[1]
     grouped = q.reshape(q.shape[0], groups, q.shape[1] // groups, q.shape[2])
-    out = BlockwiseAttention.apply(grouped, k, v, q_pos, k_pos, scale, key_block)
-    return out.reshape(q.shape[0], q.shape[1], v.shape[-1])
+    out, lse = BlockwiseAttention.apply(grouped, k, v, q_pos, k_pos, scale, key_block)
+    out = out.reshape(q.shape[0], q.shape[1], v.shape[-1])
+    return (out, lse.reshape(q.shape[0], q.shape[1])) if return_lse else out
 
 
 class LongStrawGatedSelfAttention(SelfAttention):
@@ -136,8 +153,12 @@ class LongStrawGatedSelfAttention(SelfAttention):
         state = current_pass() or AttentionPass(
             mode="full", positions=torch.arange(hidden_states.shape[0], device=hidden_states.device))
         if state.cp.size > 1:
-            raise ValueError("Qwen3.6 runs with context parallel size 1 in this version "
-                             "(build_qwen36_model rejects other layouts).")
+            if state.mode == "capture":
+                return self._capture_context_parallel(hidden_states, state)
+            if state.mode == "replay":
+                return self.linear_proj(self._replay_context_parallel(hidden_states, state))
+            raise ValueError(f"A {state.mode!r} pass has no context-parallel layout; under CP run "
+                             "the model through LongStraw capture and replay.")
         if state.mode == "replay":
             return self.linear_proj(self._replay(hidden_states, state))
         if state.mode == "capture" or not torch.is_grad_enabled():
@@ -185,6 +206,61 @@ class LongStrawGatedSelfAttention(SelfAttention):
                                        state.positions])
         return self._gate(self._attend(q, keys, values, state.positions, key_positions, state), gate)
 
+    def _capture_context_parallel(self, x: torch.Tensor, state: AttentionPass):
+        """Capture of this rank's load-balanced prompt shard (DESIGN section 3). Its K/V rows become
+        its pages; its queries need every earlier prompt key, on every rank: each rank's K/V shard
+        is broadcast in turn and the queries' partial attention over it merges into a running
+        (output, log-sum-exp), so no rank ever holds more than one shard of keys (O(P / CP)).
+        -> (output [n, 1, hidden], None)"""
+        cp, block = state.cp, state.token_block
+        projections = [self._project(x[s:s + block], state.positions[s:s + block])
+                       for s in range(0, x.shape[0], block)]
+        q, k, v, gate = (torch.cat(parts) for parts in zip(*projections))
+        del projections
+        state.pages.append(self.layer_idx, KEY, k)
+        state.pages.append(self.layer_idx, VALUE, v)
+        shards = [CPLayout(None, cp.size, r).prompt_positions(state.global_len, x.device)
+                  for r in range(cp.size)]
+        rows = max(p.numel() for p in shards)
+        out = lse = None
+        for src in range(cp.size):
+            src_k = parallel.broadcast_rows(k, src, rows, cp)
+            src_v = parallel.broadcast_rows(v, src, rows, cp)
+            # Padding rows get a position after every query: never visible.
+            src_pos = parallel.broadcast_rows(state.positions, src, rows, cp, fill=state.global_len)
+            part_out, part_lse = self._attend(q, src_k, src_v, state.positions, src_pos, state,
+                                              return_lse=True)
+            if out is None:
+                out, lse = part_out, part_lse
+            else:
+                out, lse = merge_partial_attention([out, part_out], [lse, part_lse])
+        return torch.cat([self.linear_proj(self._gate(out[s:s + block], gate[s:s + block]))[0]
+                          for s in range(0, x.shape[0], block)]), None
+
+    def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+        """Replay with the prompt pages sharded over CP. This rank owns rows [start, end) of the
+        (padded) branch. The branch's queries, keys and values are gathered; each rank attends all
+        branch queries over its own prompt shard, and rank 0 over the branch's own rows as well (on
+        the other ranks those rows get positions no query sees, so they count once while every rank
+        keeps the same autograd graph, and so the same backward collectives); the partial outputs
+        merge by log-sum-exp and each rank keeps its rows. -> [c, 1, heads * d]"""
+        cp = state.cp
+        q, k, v, gate = self._project(x, state.positions)
+        all_q, all_k, all_v = (parallel.gather_rows(t, cp) for t in (q, k, v))
+        branch_positions = state.branch_positions
+        if cp.rank != 0:
+            branch_positions = torch.full_like(branch_positions,
+                                               state.prefix_len + state.branch_len)
+        read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
+        keys = torch.cat([read(self.layer_idx, KEY, x.device).to(k.dtype), all_k])
+        values = torch.cat([read(self.layer_idx, VALUE, x.device).to(v.dtype), all_v])
+        key_positions = torch.cat([state.prefix_positions, branch_positions])
+        out, lse = self._attend(all_q, keys, values, state.branch_positions, key_positions, state,
+                                return_lse=True)
+        merged = parallel.merge_partials_by_lse(out, lse, cp)
+        start, end, _ = cp.branch_rows(state.branch_len)
+        return self._gate(merged[start:end], gate)
+
     # ---- pieces -----------------------------------------------------------------------------
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -201,14 +277,18 @@ class LongStrawGatedSelfAttention(SelfAttention):
         rotated = select.kernels().apply_rope(rotated, positions, self.rotary_base, interleaved=False)
         return torch.cat([rotated, passed], dim=-1)
 
-    def _attend(self, q, keys, values, q_positions, key_positions, state) -> torch.Tensor:
-        """Per query block over all given keys (causal by position). -> [s, heads, d]"""
-        outs = []
+    def _attend(self, q, keys, values, q_positions, key_positions, state, return_lse=False):
+        """Per query block over all given keys (causal by position). -> out [s, heads, d] (and
+        log-sum-exp [s, heads] with `return_lse`)."""
+        parts = []
         for start in range(0, q.shape[0], state.query_block):
             end = min(start + state.query_block, q.shape[0])
-            outs.append(blockwise_attention(q[start:end], keys, values, q_positions[start:end],
-                                            key_positions, self.scale, state.key_block))
-        return torch.cat(outs)
+            parts.append(blockwise_attention(q[start:end], keys, values, q_positions[start:end],
+                                             key_positions, self.scale, state.key_block,
+                                             return_lse=return_lse))
+        if return_lse:
+            return tuple(torch.cat(p) for p in zip(*parts))
+        return torch.cat(parts)
 
     def _gate(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o * sigmoid(gate) (Megatron's `_apply_output_gate`). [s, heads, d] -> [s, 1, heads * d]"""

@@ -18,6 +18,17 @@ it (conv over [tail; branch], recurrence with `initial_state`); `full` starts fr
 Megatron's zero-padded conv and zero initial state). The recurrence is Megatron's chosen kernel
 (`self.gated_delta_rule`: FLA's chunk kernel on GPU, Megatron's PyTorch chunk implementation on CPU,
 see platform.py entry 6), which accepts an initial state and returns the final one.
+
+Context parallelism (Megatron's own GDN CP scheme): the recurrence is sequential in tokens but
+independent across heads, so `in_proj`'s output goes from this rank's rows of every head to every
+row of this rank's heads (`parallel.HeadParallel`, an all-to-all after Megatron's head permutation
+`_build_head_perm_for_split_sections`), the conv and the recurrence run over the whole sequence in
+position order for H_v / CP value heads (and their H_k / CP query/key heads) with this rank's slice
+of `conv1d`, `A_log` and `dt_bias` (`get_parameter_local_cp`), and the gated-norm output goes back
+to rows before `out_proj`. Per head the computation is the one-process computation, so the state is
+exact across shards. Capture keeps this rank's heads' state and conv channels (the pages shard by
+heads: 1 / CP of the state per rank); replay exchanges the branch the same way and continues from
+them. CP must divide the query/key heads (checked when the model is built).
 """
 
 from __future__ import annotations
@@ -25,6 +36,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net.common import (
+    _build_head_perm_for_split_sections,
+    get_parameter_local_cp,
+)
+
+from megatron_longstraw.parallel import CPLayout, HeadParallel
 
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
 from megatron_longstraw.state import AttentionPass, current_pass
@@ -45,37 +62,94 @@ class LongStrawGatedDeltaNet(GatedDeltaNet):
         if hidden_states.shape[1] != 1:
             raise ValueError("LongStraw GDN processes one sequence at a time (batch 1); got batch "
                              f"{hidden_states.shape[1]}.")
+        if self.tp_size > 1:
+            raise ValueError("Qwen3.6 GDN layers run with tensor parallel size 1 (build_qwen36_model "
+                             "rejects other layouts).")
         state = current_pass()
-        if (state is not None and state.cp.size > 1) or self.cp_size > 1 or self.tp_size > 1:
-            raise ValueError("Qwen3.6 GDN layers run with context and tensor parallel size 1 in "
-                             "this version (build_qwen36_model rejects other layouts).")
-        conv_tail, recurrent = self._start_state(hidden_states, state)
+        exchange = self._exchange(hidden_states, state)
         if state is not None and state.mode == "capture":
+            return self._capture(hidden_states, state, exchange), None
+        conv_tail, recurrent = self._start_state(hidden_states, state)
+        projected = self._to_heads(self.in_proj(hidden_states)[0], exchange)
+        mixed, _, _ = self._mix(projected, conv_tail, recurrent, False)
+        return self.out_proj(self._to_rows(mixed, exchange))
+
+    def _capture(self, x: torch.Tensor, state: AttentionPass, exchange) -> torch.Tensor:
+        """Run the prompt (this rank's rows) carrying (conv tail, state) from token block to block;
+        store the final pair. On one process everything is per token block; under CP the exchange
+        needs this rank's whole `in_proj` output (the size of its shard of the prompt)."""
+        block = state.token_block
+        conv_tail, recurrent = self._start_state(x, state)
+        blocks = range(0, x.shape[0], block)
+        if exchange is None:
             outputs = []
-            for start in range(0, hidden_states.shape[0], state.token_block):
-                block = hidden_states[start:start + state.token_block]
-                mixed, conv_tail, recurrent = self._mix(block, conv_tail, recurrent, True)
+            for start in blocks:
+                mixed, conv_tail, recurrent = self._mix(self.in_proj(x[start:start + block])[0],
+                                                        conv_tail, recurrent, True)
                 outputs.append(self.out_proj(mixed)[0])
-            state.pages.put(self.layer_idx, GDN_STATE, recurrent[0])
-            state.pages.put(self.layer_idx, CONV_TAIL, conv_tail)
-            return torch.cat(outputs), None
-        mixed, _, _ = self._mix(hidden_states, conv_tail, recurrent, False)
-        return self.out_proj(mixed)
+        else:
+            projected = self._to_heads(torch.cat([self.in_proj(x[s:s + block])[0] for s in blocks]),
+                                       exchange)                   # [P, 1, in_proj_dim / CP]
+            mixed = []
+            for start in range(0, projected.shape[0], block):
+                out, conv_tail, recurrent = self._mix(projected[start:start + block], conv_tail,
+                                                      recurrent, True)
+                mixed.append(out)
+            mixed = self._to_rows(torch.cat(mixed), exchange)     # [n_local, 1, H_v * d_v]
+            del projected
+            outputs = [self.out_proj(mixed[s:s + block])[0] for s in blocks]
+        state.pages.put(self.layer_idx, GDN_STATE, recurrent[0])
+        state.pages.put(self.layer_idx, CONV_TAIL, conv_tail)
+        return torch.cat(outputs)
+
+    def _exchange(self, x: torch.Tensor, state: AttentionPass | None) -> HeadParallel | None:
+        """The rows <-> heads exchange of this pass under CP (None on one process)."""
+        layout = state.cp if state is not None else CPLayout()
+        if layout.size != self.cp_size:
+            raise ValueError(
+                f"This GDN layer was built for context parallel size {self.cp_size} but the pass "
+                f"runs with {layout.size}: under CP the model runs only inside LongStraw capture and "
+                "replay (a plain forward has no context-parallel layout).")
+        if layout.size == 1:
+            return None
+        if state.mode == "capture":
+            return HeadParallel.for_prompt(layout, state.global_len, x.device)
+        if state.mode == "replay":
+            return HeadParallel.for_branch(layout, state.branch_len, x.device)
+        raise ValueError(f"A {state.mode!r} pass has no context-parallel layout for GDN layers; under "
+                         "CP run the model through LongStraw capture and replay.")
+
+    def _to_heads(self, projected: torch.Tensor, exchange: HeadParallel | None) -> torch.Tensor:
+        """`in_proj` output [n, 1, in_proj_dim] -> [S, 1, in_proj_dim / CP]: every row of this
+        rank's heads, sections [q; k; v; z; beta; alpha] as `feat_dim_split` expects."""
+        if exchange is None:
+            return projected
+        head_perm = _build_head_perm_for_split_sections(self.in_proj_split_sections, self.cp_size,
+                                                        projected.device)
+        return exchange.to_heads(projected[:, 0].index_select(-1, head_perm))[:, None]
+
+    def _to_rows(self, mixed: torch.Tensor, exchange: HeadParallel | None) -> torch.Tensor:
+        """Gated-norm output [S, 1, H_v / CP * d_v] -> this rank's rows [n, 1, H_v * d_v]."""
+        if exchange is None:
+            return mixed
+        return exchange.to_rows(mixed[:, 0])[:, None]
 
     def _start_state(self, x: torch.Tensor, state: AttentionPass | None):
-        """(conv tail [kernel - 1, conv_dim], recurrent state [1, H_v, d_k, d_v] or None) before the
-        current tokens: the captured prefix's in replay, zeros (None: the kernel's zeros) otherwise."""
+        """(conv tail [kernel - 1, conv_dim / CP], recurrent state [1, H_v / CP, d_k, d_v] or None)
+        before the current tokens: the captured prefix's in replay, zeros (None: the kernel's
+        zeros) otherwise."""
         if state is not None and state.mode == "replay" and state.prefix_len > 0:
             read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
             tail = read(self.layer_idx, CONV_TAIL, x.device).to(x.dtype)
             return tail, read(self.layer_idx, GDN_STATE, x.device)[None]
-        return x.new_zeros(self.conv_kernel_dim - 1, self.conv_dim_local_tp), None
+        return x.new_zeros(self.conv_kernel_dim - 1, self.conv_dim_local_tp // self.cp_size), None
 
-    def _mix(self, x: torch.Tensor, conv_tail: torch.Tensor, recurrent, keep_state: bool):
-        """The mixer on [n, 1, hidden] continuing from (conv_tail, recurrent). Returns (gated-normed
-        core output [n, 1, H_v * d_v] for `out_proj`, new conv tail, new state or None)."""
-        num_tokens = x.shape[0]
-        qkvzba, _ = self.in_proj(x)
+    def _mix(self, qkvzba: torch.Tensor, conv_tail: torch.Tensor, recurrent, keep_state: bool):
+        """The mixer on `in_proj` output [n, 1, in_proj_dim / CP] (this rank's heads) continuing
+        from (conv_tail, recurrent). Returns (gated-normed core output [n, 1, H_v / CP * d_v], new
+        conv tail, new state or None)."""
+        num_tokens = qkvzba.shape[0]
+        cp_group = self.pg_collection.cp
         qkvzba = qkvzba.transpose(0, 1)                                    # [1, n, in_proj_dim]
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
         gate = gate.reshape(1, num_tokens, -1, self.value_head_dim)
@@ -83,13 +157,19 @@ class LongStrawGatedDeltaNet(GatedDeltaNet):
         # Causal depthwise conv over [tail; current] (no padding): row t sees inputs t-3 .. t.
         conv_in = torch.cat([conv_tail[None].to(qkv.dtype), qkv], dim=1)   # [1, k - 1 + n, conv_dim]
         new_tail = conv_in[0, conv_in.shape[1] - (self.conv_kernel_dim - 1):]
-        conv_out = F.conv1d(conv_in.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                            groups=self.conv_dim_local_tp)                 # [1, conv_dim, n]
+        sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        weight = get_parameter_local_cp(self.conv1d.weight, 0, cp_group, sections)
+        bias = (get_parameter_local_cp(self.conv1d.bias, 0, cp_group, sections)
+                if self.conv_bias else None)
+        conv_out = F.conv1d(conv_in.transpose(1, 2), weight, bias,
+                            groups=self.conv_dim_local_tp // self.cp_size)  # [1, conv_dim, n]
         qkv = self.act_fn(conv_out).transpose(1, 2)                        # [1, n, conv_dim]
 
         query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
             qkv, gate, 1, num_tokens, beta, alpha)
-        g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+        g, beta = self._compute_g_and_beta(get_parameter_local_cp(self.A_log, 0, cp_group),
+                                           get_parameter_local_cp(self.dt_bias, 0, cp_group),
+                                           alpha, beta)
         core, final_state = self.gated_delta_rule(
             query, key, value, g=g, beta=beta, initial_state=recurrent,
             output_final_state=keep_state, use_qk_l2norm_in_kernel=False)

@@ -7,7 +7,9 @@ Starting point: `megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spe
   and parameters; the capture/replay-aware forward);
 - `attention_layer.self_attention.module`: `SelfAttention` -> `LongStrawGatedSelfAttention` (same
   submodules and parameters, `attention_output_gate` rows in `linear_qkv`; RoPE base and fraction
-  as spec params, since they are not TransformerConfig fields);
+  as spec params, since they are not TransformerConfig fields); its `core_attention` is an
+  `IdentityOp` (the attention runs in `BlockwiseAttention`; Megatron's local DotProductAttention
+  has no weights and refuses context parallelism);
 - every norm -> `ZeroCenteredRMSNorm` (Qwen3.5 norms are zero-centred; Megatron's local
   `WrappedTorchNorm` refuses `layernorm_zero_centered_gamma`, TENorm would honour it);
 - TransformerEngine modules -> the local backend (`LocalSpecProvider`: ColumnParallelLinear,
@@ -30,6 +32,7 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSub
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -78,7 +81,7 @@ def qwen36_stack_spec(config, rotary_base: float, rotary_percent: float,
                 "rotary_percent": rotary_percent},
         submodules=SelfAttentionSubmodules(
             linear_qkv=backend.column_parallel_linear(),
-            core_attention=backend.core_attention(),
+            core_attention=IdentityOp,  # the attention math is BlockwiseAttention (no weights)
             linear_proj=backend.row_parallel_linear(),
             q_layernorm=norm,
             k_layernorm=norm,
