@@ -3,15 +3,17 @@ checkpoints (save / resume).
 
 Model format (written by `tools/convert_hf.py` and `save_model`, read by `load_model`), a directory:
 
-    longstraw.json      {"format": "longstraw-model", "format_version": 1, "family": "glm52",
-                         "model": GLM52Config.to_dict(), "dtype": "float64",
+    longstraw.json      {"format": "longstraw-model", "format_version": 1,
+                         "family": "glm52" | "qwen36",
+                         "model": GLM52Config / Qwen36Config .to_dict(), "dtype": "float64",
                          "parallel": {"world_size", "context_parallel_size", "expert_parallel_size",
                                       "data_parallel_size"}  (the layout it was saved from),
                          "source": free-form provenance (e.g. the HF directory)}
     model.safetensors   the single-process state dict: the names of `build_glm52_model(cfg)
-                        .state_dict()` at EP = 1, routed experts under their global index
-                        (`parallel.global_name`), without `_extra_state` entries and the routers'
-                        `local_tokens_per_expert` statistics. Routers' `expert_bias` stays float32
+                        .state_dict()` (or `build_qwen36_model`'s) at EP = 1, routed experts
+                        under their global index (`parallel.global_name`), without
+                        `_extra_state` entries and the routers' `local_tokens_per_expert`
+                        statistics. Routers' `expert_bias` stays float32
                         whatever "dtype" says (Megatron keeps it in float32).
 
 An expert-parallel model loads it with `load_model` (each rank reads only its own experts, lazily).
@@ -301,6 +303,12 @@ def write_model(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def is_model_format(path: str | os.PathLike) -> bool:
+    """Whether `path` is a model-format directory (has longstraw.json), as opposed to a folder of
+    training checkpoints."""
+    return (Path(path) / MODEL_META).is_file()
 
 
 def read_model(model_dir: str | os.PathLike) -> tuple[dict, SafetensorsReader]:

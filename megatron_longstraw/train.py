@@ -5,7 +5,9 @@ Parses Megatron's standard flags (megatron.training's parser from the pinned meg
 (`--longstraw-config`; flags win), starts CP x EP folded process groups, builds the model, and runs
 `--train-iters` GRPO steps: capture, scoring, serial replay, corrected finalisation, one optimizer
 step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-dir`), saves with
-`--save`/`--save-interval`, resumes with `--load`, and writes a receipt for the last step.
+`--save`/`--save-interval`, and writes a receipt for the last step. `--load` takes either a
+training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
+written by tools/convert_hf.py (initial weights only; the run starts at step 0).
 """
 
 from __future__ import annotations
@@ -121,11 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
         weight_decay=args.weight_decay)
     first_step = 0
     if args.load:
-        from megatron_longstraw.checkpoint import latest_checkpoint, load_checkpoint
+        from megatron_longstraw import checkpoint
 
-        path = latest_checkpoint(args.load)
-        if path is not None:
-            first_step, _ = load_checkpoint(path, model, optimizer)
+        if checkpoint.is_model_format(args.load):  # tools/convert_hf.py output: weights, step 0
+            checkpoint.load_model(args.load, model, family=family)
+            if rank == 0:
+                print(f"initialised from model-format weights {args.load}", flush=True)
+        elif (path := checkpoint.latest_checkpoint(args.load)) is not None:
+            first_step, _ = checkpoint.load_checkpoint(path, model, optimizer)
             if rank == 0:
                 print(f"resumed from {path} at step {first_step}", flush=True)
     groups = _groups(args, model_cfg, ls, dp_rank, dp_size)

@@ -158,13 +158,34 @@ def test_pretrain_gpt_runs_one_step(tmp_path):
     assert receipt["page_bytes_per_token"] == (8 * 40 + 4 * 16) * 4
 
 
+def _qwen36_model_format(folder: Path) -> dict:
+    """A model-format directory (what tools/convert_hf.py writes) of the tiny Qwen3.6 with random
+    weights unlike the launcher's seeded initialisation; returns its tensors. Needs the
+    single_process fixture."""
+    from megatron_longstraw import checkpoint
+    from megatron_longstraw.models.qwen36.config import Qwen36Config
+    from megatron_longstraw.models.qwen36.model import build_qwen36_model
+
+    model = build_qwen36_model(Qwen36Config.from_yaml(TINY_QWEN))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    checkpoint.save_model(folder, model, family="qwen36")
+    return {n: t.clone() for n, t in checkpoint.read_model(folder)[1].items()}
+
+
+@pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state, to build the init
 def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     """--longstraw-family qwen36 end to end: model summary, checkpoint, receipt with the fixed-size
-    GDN state apart from the per-token K/V pages."""
+    GDN state apart from the per-token K/V pages; --load takes a model-format directory (initial
+    weights) or a training checkpoint (resume)."""
+    weights = _qwen36_model_format(tmp_path / "qwen36-init")
     stdout, receipt = _launch(tmp_path, "--longstraw-family", "qwen36", "--longstraw-config",
                               TINY_QWEN, "--longstraw-synthetic-prompt-len", "300",
+                              "--load", str(tmp_path / "qwen36-init"), "--lr", "0",
                               "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
     assert re.search(r"step\s+0 \| loss", stdout)
+    assert f"initialised from model-format weights {tmp_path / 'qwen36-init'}" in stdout
     assert "qwen36 (8 layers: 6 Gated DeltaNet + 2 full attention, dense FFN)" in stdout
     assert receipt["family"] == "qwen36" and receipt["expert_parallel_size"] == 1
     # Hand count (fp32): 6 GDN layers x state [12 V heads, 16, 16] and conv tail
@@ -182,6 +203,12 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     assert json.loads((saved / "meta.json").read_text())["model"]["linear_num_key_heads"] == 4
     rank_state = torch.load(saved / "rank_00000.pt", weights_only=False)
     assert rank_state["extra"]["family"] == "qwen36"
+    # lr 0: the step saved exactly the weights it started from, i.e. the model-format ones.
+    from megatron_longstraw.checkpoint import SafetensorsReader
+
+    trained = SafetensorsReader([saved / "model.safetensors"])
+    assert set(trained) == set(weights)
+    assert all(torch.equal(trained[n], weights[n]) for n in weights)
     # Resuming from it runs the second step only.
     stdout, receipt = _launch(tmp_path, "--longstraw-family", "qwen36", "--longstraw-config",
                               TINY_QWEN, "--longstraw-synthetic-prompt-len", "300",
