@@ -44,6 +44,8 @@ VALUE = "value"  # page kind: V rows [P, groups, head_dim]
 def _scores(q, k, q_pos, k_pos, scale, acc):
     """q [s, g, r, d], k [t, g, d] -> causal scores [s, g, r, t] in `acc` (-inf where masked)."""
     scores = torch.einsum("sgrd,tgd->sgrt", q.to(acc), k.to(acc)) * scale
+    if int(k_pos.max()) <= int(q_pos.min()):                            # all visible: no mask
+        return scores
     future = k_pos[None, :] > q_pos[:, None]                            # [s, t]
     return scores.masked_fill(future[:, None, None, :], float("-inf"))
 
