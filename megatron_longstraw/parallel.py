@@ -188,19 +188,53 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+class _ReduceScatterRows(torch.autograd.Function):
+    """Sum over ranks of [size * n, ...], this rank's block [n, ...] (reduce-scatter; all-reduce +
+    slice where the backend has none); backward all-gathers the gradient (the transpose of
+    `_GatherRows`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size = group, size
+        rows = x.shape[0] // size
+        x = x.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty((rows,) + x.shape[1:], dtype=x.dtype, device=x.device)
+            dist.reduce_scatter_tensor(out, x, group=group)
+            return out
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x[rank * rows:(rank + 1) * rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None, None, None
+
+
 def merge_partials_by_lse(out: torch.Tensor, lse: torch.Tensor, layout: CPLayout) -> torch.Tensor:
-    """Merge every rank's partial attention of the same queries over disjoint keys.
+    """Merge every rank's partial attention of the same queries over disjoint keys, and keep this
+    rank's rows: out [s, h, d], lse [s, h] on each rank (s = size * c) -> this rank's merged rows
+    [c, h, d] (c = s / size), differentiable in out and lse.
 
-    out: [s, h, d], lse: [s, h] on each rank -> merged [s, h, d] (differentiable; each rank then
-    keeps its own rows)."""
-    from megatron_longstraw.kernels.refs import merge_partial_attention
-
+    With m the row maximum of lse over ranks (a constant: the result does not depend on it),
+    merged = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m); numerator and denominator are
+    reduce-scattered together, so a rank holds its own partial plus 1 / size of the sums, never
+    every rank's partials."""
     if layout.size == 1:
         return out
-    outs = gather_rows(out[None], layout)                     # [size, s, h, d]
-    lses = gather_rows(lse[None], layout)                     # [size, s, h]
-    merged, _ = merge_partial_attention(list(outs.unbind(0)), list(lses.unbind(0)))
-    return merged
+    with torch.no_grad():
+        shift = lse.detach().clone()
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=layout.group)
+        shift = shift.nan_to_num(neginf=0.0)                  # rows no rank sees anything of
+    acc = torch.promote_types(out.dtype, torch.float32)      # sums in float32 or wider
+    weight = torch.exp(lse.to(acc) - shift.to(acc))[..., None]   # [s, h, 1], 0 where lse = -inf
+    packed = torch.cat([weight * out.to(acc), weight], -1)    # [s, h, d + 1]
+    mine = _ReduceScatterRows.apply(packed, layout.group, layout.size, layout.rank)
+    numerator, denominator = mine[..., :-1], mine[..., -1:]
+    merged = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), 0.0)
+    return merged.to(out.dtype)
 
 
 class HeadParallel:

@@ -133,19 +133,25 @@ class LongStrawMLASelfAttention(MLASelfAttention):
         all_latents = parallel.gather_rows(own_latents, cp)        # [R_pad, d_qk]
 
         def candidates(q_index, weights):
+            # Per query block: the exchanged candidates are [query_block, CP * 2 * top-k], not
+            # [R, CP * 2 * top-k] (every rank runs the same blocks: each merge is a collective).
             all_q = parallel.gather_rows(q_index, cp)
             all_w = parallel.gather_rows(weights, cp)
             prefix_keys = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
-            scores, pos = self._shard_topk(all_q, all_w, prefix_keys, state.prefix_positions,
-                                           branch_positions, state)
             all_index_keys = parallel.gather_rows(own_index_keys, cp)
-            own_s, own_p = self._shard_topk(all_q, all_w, all_index_keys, branch_positions,
-                                            branch_positions, state)
-            if cp.rank != 0:  # the branch's own keys are candidates on exactly one rank
-                own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
             k = min(self.config.dsa_indexer_topk, state.prefix_len + branch_positions.numel())
-            return parallel.merge_topk_candidates(torch.cat([scores, own_s], 1),
-                                                  torch.cat([pos, own_p], 1), k, cp)
+            selection = []
+            for start in range(0, all_q.shape[0], state.query_block):
+                rows = slice(start, start + state.query_block)
+                scores, pos = self._shard_topk(all_q[rows], all_w[rows], prefix_keys,
+                                               state.prefix_positions, branch_positions[rows], state)
+                own_s, own_p = self._shard_topk(all_q[rows], all_w[rows], all_index_keys,
+                                                branch_positions, branch_positions[rows], state)
+                if cp.rank != 0:  # the branch's own keys are candidates on exactly one rank
+                    own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
+                selection.append(parallel.merge_topk_candidates(
+                    torch.cat([scores, own_s], 1), torch.cat([pos, own_p], 1), k, cp))
+            return torch.cat(selection)
 
         selection = self._selection(x, q_compressed, state, 0, branch_positions.numel(),
                                     candidates, gathered=True)
@@ -172,9 +178,8 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                                                     self.config.kv_lora_rank)
             outs.append(out)
             lses.append(lse)
-        merged = parallel.merge_partials_by_lse(torch.cat(outs), torch.cat(lses), cp)
-        rows_start, rows_end, _ = cp.branch_rows(state.branch_len)
-        return self._up_project_values(merged[rows_start:rows_end])
+        return self._up_project_values(parallel.merge_partials_by_lse(torch.cat(outs),
+                                                                      torch.cat(lses), cp))
 
     # ---- pieces ---------------------------------------------------------------------------
 

@@ -259,9 +259,7 @@ class LongStrawGatedSelfAttention(SelfAttention):
         key_positions = torch.cat([state.prefix_positions, branch_positions])
         out, lse = self._attend(all_q, keys, values, state.branch_positions, key_positions, state,
                                 return_lse=True)
-        merged = parallel.merge_partials_by_lse(out, lse, cp)
-        start, end, _ = cp.branch_rows(state.branch_len)
-        return self._gate(merged[start:end], gate)
+        return self._gate(parallel.merge_partials_by_lse(out, lse, cp), gate)
 
     # ---- pieces -----------------------------------------------------------------------------
 
