@@ -3,8 +3,8 @@
 
     python tools/plan_memory.py --config examples/glm52/full.yaml --prompt-len 2.1M --group-size 8 \\
         --response-len 8192 --cp 32 --ep 32 --gpu H20 --trainable lora --json plan.json
-    python tools/plan_memory.py --family qwen36 --prompt-len 2.1M --cp 8 --ep 1 --weight-dtype nf4 \\
-        --trainable-params 116e6          # analytic only: no Qwen3.6 model in the package yet
+    python tools/plan_memory.py --family qwen36 --prompt-len 1M --cp 8 --gpu H20 --trainable lora \\
+        --lora-rank 19                    # config: examples/qwen36/full.yaml (the family's default)
 """
 
 from __future__ import annotations
@@ -40,17 +40,20 @@ def gpu_bytes(text: str) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(planner.FAMILIES), default="glm52")
-    p.add_argument("--config", default=str(ROOT / "examples" / "glm52" / "full.yaml"),
-                   help="model YAML (glm52); its longstraw: section gives the block sizes")
+    p.add_argument("--config", default=None,
+                   help="model YAML (default: examples/<family>/full.yaml); its longstraw: section "
+                        "gives the block sizes")
     p.add_argument("--prompt-len", type=quantity, default=quantity("2.1M"))
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--response-len", type=quantity, default=8192)
-    p.add_argument("--cp", type=int, default=32)
-    p.add_argument("--ep", type=int, default=32)
+    p.add_argument("--cp", type=int, default=None, help="default: 32 (glm52), 8 (qwen36)")
+    p.add_argument("--ep", type=int, default=None, help="default: 32 (glm52), 1 (qwen36: dense)")
     p.add_argument("--weight-dtype", choices=sorted(planner.DTYPE_BYTES), default="bf16")
     p.add_argument("--act-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default=None,
                    help="default: the weight dtype (bf16 for fp8/nf4 weights)")
-    p.add_argument("--latent-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--latent-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default="bf16",
+                   help="page rows: GLM latents, Qwen K/V rows and GDN conv tails (the model's "
+                        "dtype; the GDN state is fp32)")
     p.add_argument("--index-key-dtype", choices=["fp64", "fp32", "bf16", "fp8"], default="fp8",
                    help="fp8: one byte per value plus one fp32 scale per row")
     p.add_argument("--gpu", type=gpu_bytes, default=planner.GPU_BYTES["H20"],
@@ -75,21 +78,26 @@ def parse_args(argv=None):
 def build_spec(args) -> planner.PlanSpec:
     from megatron_longstraw.config import LongStrawConfig
 
+    config = args.config or str(ROOT / "examples" / args.family / "full.yaml")
+    blocks = LongStrawConfig.from_yaml(config)
     if args.family == "glm52":
         from megatron_longstraw.models.glm52.config import GLM52Config
 
-        model = GLM52Config.from_yaml(args.config)
-        blocks = LongStrawConfig.from_yaml(args.config)
+        model = GLM52Config.from_yaml(config)
         key_width = model.index_head_dim
     else:
-        model, blocks, key_width = planner.Qwen36Arch(), LongStrawConfig(), 128
+        from megatron_longstraw.models.qwen36.config import Qwen36Config
+
+        model, key_width = Qwen36Config.from_yaml(config), 128   # no index keys: key_width unused
+    cp = args.cp if args.cp is not None else {"glm52": 32, "qwen36": 8}[args.family]
+    ep = args.ep if args.ep is not None else {"glm52": 32, "qwen36": 1}[args.family]
     weight = planner.DTYPE_BYTES[args.weight_dtype]
     act = planner.DTYPE_BYTES[args.act_dtype] if args.act_dtype else (weight if weight >= 2 else 2.0)
     index = (1 + 4 / key_width if args.index_key_dtype == "fp8"     # one fp32 scale per row
              else planner.DTYPE_BYTES[args.index_key_dtype])
     return planner.PlanSpec(
         family=args.family, model=model, prompt_len=args.prompt_len, group_size=args.group_size,
-        response_len=args.response_len, cp=args.cp, ep=args.ep, weight_bytes=weight, act_bytes=act,
+        response_len=args.response_len, cp=cp, ep=ep, weight_bytes=weight, act_bytes=act,
         latent_bytes=planner.DTYPE_BYTES[args.latent_dtype], index_key_bytes=index,
         trainable=args.trainable, lora_rank=args.lora_rank, lora_experts=args.lora_experts,
         trainable_params=args.trainable_params,
