@@ -276,8 +276,8 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
         + c * H * v * b                                # linear_proj input
     )
-    if cp > 1:  # parallel.merge_partials_by_lse: every rank's [q, H, kvr] partial and its weights
-        attention += cp * q * H * kvr * b + cp * q * H * b + 3 * cp * q * H * acc + q * H * acc
+    if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
+        attention += lse_merge_saved(q, c, H, kvr, acc)
     mlp = lambda ffn: c * h * b + 4 * c * ffn * b     # linear_fc1 input, GLU (3), linear_fc2 input
     dense = norm(h) + mlp(cfg.intermediate_size)
     routed = c * cfg.num_experts_per_tok               # (token, expert) pairs
@@ -306,7 +306,8 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
             "layer_working_set_device": max(layers_device),
             "attention_working_set": attention, "head": head, "head_device": head - c * V * acc,
             "loss": loss,
-            "largest_saved_tensor": max(q * k * d_qk * b, cp * q * H * kvr * b, c * V * acc),
+            "largest_saved_tensor": max(q * k * d_qk * b, q * H * kvr * acc if cp > 1 else 0,
+                                        c * V * acc),
             "checkpointed": embed + inputs + head + loss,
             "uncheckpointed": embed + sum(layers) + head + loss}
 
@@ -371,8 +372,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
              indexer_block(r_pad if cp > 1 else min(spec.query_block, r_pad)), group="step"),
         Item("global top-k merge [R, CP x 2 topk] (scores, positions, sort)",
              r_pad * cp * 2 * k * (3 * acc + 5 * 8) if cp > 1 else 0, group="step"),
-        Item("LSE merge all-gather [CP, R, heads, kv_lora_rank]",
-             (cp + 2) * r_pad * H * kvr * b if cp > 1 else 0, group="step"),
+        Item("LSE merge: [weight * out; weight] [R, heads, kv_lora_rank + 1] fp32 + reduce-scatter",
+             2 * r_pad * H * (kvr + 1) * acc if cp > 1 else 0, group="step"),
     ]
     replay = common + [
         Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
@@ -387,9 +388,9 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     ]
     notes = []
     if cp > 1:
-        notes.append("CP replay gathers all R_pad branch queries on every rank and all-gathers the "
-                     "partial outputs [CP, R_pad, heads, kv_lora_rank] for the LSE merge: the "
-                     "attention working set grows with R and CP, not R/CP.")
+        notes.append("CP replay gathers all R_pad branch queries on every rank and merges the "
+                     "partial outputs [R_pad, heads, kv_lora_rank] by log-sum-exp with a "
+                     "reduce-scatter: the attention working set grows with R, not R/CP.")
     return Footprint(params=glm52_params(cfg), pages=pages,
                      phases={"capture (attention layer)": capture_attention,
                              "capture (MoE layer)": capture_moe,
