@@ -367,11 +367,13 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
               Item("scored DSA selections: G x full indexer layers x [R, topk] int64",
                    spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 8)]
     scoring = common + [
-        Item("indexer scores [R (gathered), index_heads, key_block] fp32" if cp > 1 else
-             "indexer scores [query_block, index_heads, key_block] fp32",
-             indexer_block(r_pad if cp > 1 else min(spec.query_block, r_pad)), group="step"),
-        Item("global top-k merge [R, CP x 2 topk] (scores, positions, sort)",
-             r_pad * cp * 2 * k * (3 * acc + 5 * 8) if cp > 1 else 0, group="step"),
+        Item("indexer scores [query_block, index_heads, key_block] fp32",
+             indexer_block(min(spec.query_block, r_pad)), group="step"),
+        # Under CP the gathered queries are selected per query block too (attention.py): the
+        # exchanged candidates are [query_block, CP x 2 topk].
+        Item("global top-k merge [query_block, CP x 2 topk] (scores, positions, sort)",
+             min(spec.query_block, r_pad) * cp * 2 * k * (3 * acc + 5 * 8) if cp > 1 else 0,
+             group="step"),
         Item("LSE merge: [weight * out; weight] [R, heads, kv_lora_rank + 1] fp32 + reduce-scatter",
              2 * r_pad * H * (kvr + 1) * acc if cp > 1 else 0, group="step"),
     ]
