@@ -93,12 +93,16 @@ def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                  cfg: LongStrawConfig) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
-    selections it used (global key positions)."""
+    selections it used (global key positions, int32, kept in host memory when pages are offloaded:
+    all G members' selections wait for replay, [R, top-k] per full indexer layer each)."""
     branch = make_branch(captured, response_ids)
     state = _pass(captured, branch, cfg, selections=None)
     with torch.no_grad(), attention_pass(state):
         logp = _run_branch(model, captured, branch, checkpoint_layers=False)
-    return gather_member(logp, branch, captured), state.selections
+    keep = "cpu" if cfg.offload_pages else None
+    selections = {layer: sel.to(device=keep, dtype=torch.int32)
+                  for layer, sel in state.selections.items()}
+    return gather_member(logp, branch, captured), selections
 
 
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,

@@ -74,6 +74,10 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
     if len(responses) != cfg.group_size:
         raise ValueError(f"Got a group of {len(responses)} responses but --longstraw-group-size is "
                          f"{cfg.group_size}; pass every member of the group or change the flag.")
+    longest = group.prompt_ids.numel() + max(r.numel() for r in responses)
+    if longest >= 2**31:  # positions (and the int32 DSA selections kept between phases)
+        raise ValueError(f"prompt + response is {longest} tokens; LongStraw positions must stay "
+                         "below 2^31.")
     for name, ids in [("prompt", group.prompt_ids)] + [(f"response {i}", r) for i, r in enumerate(responses)]:
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: token ids must be int32/int64, got {ids.dtype}.")

@@ -79,6 +79,8 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
         assert torch.equal(scored[source], reference_used[source][rows])
     # The selections really are sparse over a long prompt.
     assert scored[0].shape[1] == cfg.index_topk < group.prompt_ids.numel()
+    # Kept compact while all G members wait for replay: int32, in host memory when pages are.
+    assert all(sel.dtype == torch.int32 for sel in scored.values())
 
     # Replay reuses the scoring selections (indexer replay): the layers attend with them.
     used: dict = {}

@@ -314,7 +314,7 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 raise RuntimeError(f"DSA layer {core.layer_idx} needs the top-k of layer {source}, "
                                    "which this pass has not computed (IndexShare order or "
                                    "indexer replay without a scoring pass).")
-            selection = selections[source][start:end]
+            selection = selections[source][start:end].to(x.device, torch.long)  # may be compact
         else:
             with torch.no_grad():  # the indexer is not trained by the policy loss
                 rows = state.positions if gathered else state.positions[start:end]
