@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import math
 import zlib
@@ -234,6 +235,33 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
 
 
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct last name components of `model`'s wrappable linears (for error messages)."""
+    linear_types = _linear_types()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, linear_types + (LoRALinear,))})
+
+
+def resolve_targets(model: nn.Module, cfg: LoRAConfig, strict: bool) -> LoRAConfig:
+    """`cfg` with its targets checked against `model` (before `apply_lora`). `strict` (targets a
+    user named): every pattern must select a linear layer outside `cfg.exclude`, else ValueError
+    naming the patterns that select nothing and the model's linear layers. Not strict (a family's
+    defaults): patterns that select nothing are dropped, e.g. GLM-5.2's q projections when
+    q_lora_rank is None; ValueError when none is left."""
+    linear_types = _linear_types()
+    selected = {pattern: [n for n, m in model.named_modules()
+                          if n and isinstance(m, linear_types) and _matches(n, (pattern,))
+                          and not _matches(n, cfg.exclude)]
+                for pattern in cfg.targets}
+    empty = [pattern for pattern, names in selected.items() if not names]
+    if empty and (strict or len(empty) == len(selected)):
+        raise ValueError(f"LoRA targets {empty} match no linear layer of this model"
+                         + (f" outside the excluded {list(cfg.exclude)}" if cfg.exclude else "")
+                         + f"; its linear layers are named {linear_layer_names(model)} (patterns "
+                         "match a module's last name component or its full name, fnmatch-style).")
+    return dataclasses.replace(cfg, targets=tuple(p for p in cfg.targets if selected[p]))
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig, quantize_base: bool = False) -> LoRASummary:
     """Wrap every targeted Megatron linear of `model` in place; freeze every other parameter."""
     from megatron_longstraw.parallel import global_name
@@ -347,6 +375,48 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) ->
             param.copy_(state[key])
 
 
+def merged_state_dict(model: nn.Module, device: torch.device | str | None = "cpu"
+                      ) -> dict[str, torch.Tensor]:
+    """`model`'s state dict as the model without adapters would have it (the names of the built
+    model, every `<layer>.base.` folded away, no `lora_A` / `lora_B`), each wrapped layer's weight
+    replaced by base + scaling * B A: the weights of the policy the adapters define, for export
+    (checkpoint.save_model(..., merge_adapters=True)). The sum is computed in float32 (float64 for
+    a float64 base) and cast once to the base dtype; with an NF4 base the base is its dequantised
+    weight, the one the adapters were trained against. Merged tensors are moved to `device` one
+    at a time (None: stay where they are); other entries are the model's own tensors. The model is
+    not modified."""
+    wrappers = dict(lora_modules(model))
+    _merged_check(model, "merged_state_dict")
+
+    def owner(key: str) -> str | None:
+        parts = key.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:i]) in wrappers:
+                return ".".join(parts[:i])
+        return None
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        value = value.detach() if isinstance(value, torch.Tensor) else value   # _extra_state
+        name = owner(key)
+        if name is None:
+            out[key] = value
+            continue
+        rest = key[len(name) + 1:]
+        if rest in ("lora_A", "lora_B"):
+            continue
+        if not rest.startswith("base."):
+            raise ValueError(f"{key}: unexpected state of a LoRA layer.")
+        out[f"{name}.{rest[len('base.'):]}"] = value
+    for name, module in wrappers.items():
+        with torch.no_grad():
+            base = module.base_weight()
+            wide = torch.float64 if base.dtype == torch.float64 else torch.float32
+            merged = (base.to(wide) + module.delta_weight().to(wide)).to(module.base_dtype)
+        out[f"{name}.weight"] = merged if device is None else merged.to(device)
+    return out
+
+
 def trainable_parameters(model: nn.Module) -> int:
     """Number of parameters with requires_grad (after apply_lora: the adapters)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -355,15 +425,18 @@ def trainable_parameters(model: nn.Module) -> int:
 def quantized_base_bytes(model: nn.Module) -> int:
     """Bytes held by the NF4 base weights: packed codes, 8-bit absmax, fp32 second-level absmax and
     offset (the 16- and 256-entry code tables are constants, not counted)."""
-    total = 0
-    for _, module in lora_modules(model):
-        state = module.quant_state
-        if state is not None:
-            total += (module.nf4_weight.numel() * module.nf4_weight.element_size()
-                      + state.absmax.numel() * state.absmax.element_size()
-                      + state.state2.absmax.numel() * state.state2.absmax.element_size()
-                      + state.offset.numel() * state.offset.element_size())
-    return total
+    return sum(nf4_module_bytes(module) for _, module in lora_modules(model))
+
+
+def nf4_module_bytes(module: LoRALinear) -> int:
+    """`quantized_base_bytes` of one wrapper (0 when its base is not quantised)."""
+    state = module.quant_state
+    if state is None:
+        return 0
+    return (module.nf4_weight.numel() * module.nf4_weight.element_size()
+            + state.absmax.numel() * state.absmax.element_size()
+            + state.state2.absmax.numel() * state.state2.absmax.element_size()
+            + state.offset.numel() * state.offset.element_size())
 
 
 def nf4_nbytes(numel: int) -> int:

@@ -73,6 +73,41 @@ def page_bytes_summary(by_kind_per_rank: list[dict[str, int]], fixed_kinds: list
     }
 
 
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Receipt fields for the model's parameters, the whole model (experts of every EP rank
+    counted once) unless named per rank. Collective under expert parallelism.
+
+        trainable_params           parameters with requires_grad (LoRA: the adapters)
+        total_params               every parameter; an NF4 base weight counts its values
+        nf4_base_bytes             bytes of the NF4 base weights with their statistics (QLoRA)
+        nf4_base_bytes_per_rank    the largest rank's share (each CP rank holds the dense part)
+    """
+    import torch.distributed as dist
+
+    from megatron_longstraw.adapters import lora_modules, nf4_module_bytes
+    from megatron_longstraw.finalize import _groups, is_expert_param
+
+    counts = torch.zeros(2, 3, dtype=torch.int64)   # [dense, expert] x [trainable, total, NF4 B]
+    for param in model.parameters():
+        row = int(is_expert_param(param))
+        counts[row, 1] += param.numel()
+        if param.requires_grad:
+            counts[row, 0] += param.numel()
+    for _, module in lora_modules(model):
+        if module.quant_state is not None:   # the weight lives in an NF4 buffer, not a parameter
+            row = int(is_expert_param(module.lora_A))
+            counts[row, 1] += module.out_features * module.in_features
+            counts[row, 2] += nf4_module_bytes(module)
+    per_rank = counts[:, 2].sum().reshape(1)
+    _, _, expert_mp = _groups()
+    if expert_mp is not None and dist.get_world_size(expert_mp) > 1:
+        dist.all_reduce(counts[1], group=expert_mp)      # distinct experts on each EP rank
+        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+    total = counts.sum(0)
+    return {"trainable_params": int(total[0]), "total_params": int(total[1]),
+            "nf4_base_bytes": int(total[2]), "nf4_base_bytes_per_rank": int(per_rank[0])}
+
+
 def format_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -131,7 +131,21 @@ def resume_worker(rank, save_dir, model_dir):
     step, extra = load_checkpoint(latest_checkpoint(save_dir), fresh, fresh_optimizer)
     _train_step(fresh, fresh_optimizer, second)
     checkpoint.save_model(model_dir, fresh)  # collective: gathers every expert
-    return {"step": step, "extra": extra, "straight": straight, "resumed": _params(fresh)}
+    resumed = _params(fresh)
+    # LoRA on every linear, experts included, then merged export: gathers merged experts too.
+    from megatron_longstraw.adapters import GLM52_TARGETS, LoRAConfig, apply_lora, lora_modules
+    from megatron_longstraw.adapters import merged_state_dict
+    from megatron_longstraw.parallel import global_name
+
+    apply_lora(fresh, LoRAConfig(rank=2, targets=GLM52_TARGETS))
+    with torch.no_grad():
+        for _, module in lora_modules(fresh):
+            module.lora_B.normal_(generator=torch.Generator().manual_seed(3))
+    merged = {global_name(n, cfg.n_routed_experts): t.clone()
+              for n, t in merged_state_dict(fresh).items() if isinstance(t, torch.Tensor)}
+    checkpoint.save_model(f"{model_dir}-merged", fresh, merge_adapters=True)
+    return {"step": step, "extra": extra, "straight": straight, "resumed": resumed,
+            "merged": merged}
 
 
 def test_cp2_ep2_save_resume_and_layout_mismatch(tmp_path):
@@ -160,6 +174,13 @@ def test_cp2_ep2_save_resume_and_layout_mismatch(tmp_path):
     union = {**outs[0]["resumed"], **outs[1]["resumed"]}
     assert set(union) <= set(weights)
     assert all(torch.equal(weights[n], union[n]) for n in union)
+    # The merged export under EP2: W + s B A of every rank's experts, the names of a plain model.
+    _, merged = checkpoint.read_model(f"{model_dir}-merged")
+    union = {**outs[0]["merged"], **outs[1]["merged"]}
+    assert set(merged) == set(weights) and set(union) >= set(merged)
+    assert all(torch.equal(merged[n], union[n]) for n in merged)
+    expert = "decoder.layers.7.mlp.experts.local_experts.5.linear_fc1.weight"   # EP rank 1's
+    assert expert in outs[1]["merged"] and not torch.equal(merged[expert], weights[expert])
 
     # This process is CP1/EP1: the CP2/EP2 checkpoint is refused, and nothing is modified.
     _, model = build_tiny_glm(torch.float64)
