@@ -8,11 +8,14 @@ with a YAML config (`--longstraw-config`; command-line flags win).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from megatron_longstraw.adapters import LoRAConfig
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.kernels.select import KernelChoices
 
@@ -83,11 +86,43 @@ def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(
+        "longstraw: LoRA / QLoRA (YAML `longstraw:` keys lora, qlora, lora_rank, lora_alpha, "
+        "lora_dropout, lora_targets, lora_exclude)")
+    group.add_argument("--longstraw-lora", action=argparse.BooleanOptionalAction, default=None,
+                       help="Train LoRA adapters on a frozen base instead of every parameter.")
+    group.add_argument("--longstraw-qlora", action=argparse.BooleanOptionalAction, default=None,
+                       help="LoRA with the frozen base in NF4 (bitsandbytes, block size 64, double "
+                            "quantisation); implies --longstraw-lora.")
+    group.add_argument("--longstraw-lora-rank", type=int, default=None,
+                       help=f"Adapter rank r (default {LORA_DEFAULTS['lora_rank']}).")
+    group.add_argument("--longstraw-lora-alpha", type=float, default=None,
+                       help="The update is scaled by alpha / rank (default "
+                            f"{LORA_DEFAULTS['lora_alpha']:g}).")
+    group.add_argument("--longstraw-lora-dropout", type=float, default=None,
+                       help="Dropout on the adapters' input, in [0, 1) (default 0).")
+    group.add_argument("--longstraw-lora-targets", nargs="+", default=None, metavar="PATTERN",
+                       help="Linear layers that get adapters: names or fnmatch patterns matched "
+                            "against a module's last name component or its full name (default: "
+                            "the family's, adapters.GLM52_TARGETS / QWEN36_TARGETS). Each must "
+                            "match a linear layer of the model.")
+    group.add_argument("--longstraw-lora-exclude", nargs="+", default=None, metavar="PATTERN",
+                       help="Modules to leave without adapters, e.g. '*.experts.*'.")
+    group.add_argument("--longstraw-save-merged", type=str, default=None, metavar="DIR",
+                       help="After the last step, write base + scaling * B A merged into one "
+                            "model-format directory (what --load and tools/convert_hf.py --to-hf "
+                            "read). With QLoRA the base is the dequantised NF4 weight the run "
+                            "trained against.")
+    return parser
+
+
 def add_longstraw_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron `extra_args_provider`: every `--longstraw-*` flag."""
     parser = _add_schedule_args(parser)
     parser = _add_memory_args(parser)
     parser = _add_data_args(parser)
+    parser = _add_lora_args(parser)
     return parser
 
 
@@ -121,9 +156,20 @@ def load_yaml(path: str | None) -> dict:
     return data
 
 
+def _yaml_longstraw_section(args: argparse.Namespace) -> dict:
+    values = dict(load_yaml(args.longstraw_config).get("longstraw", {}) or {})
+    known = {f.name for f in dataclasses.fields(LongStrawConfig)} | set(LORA_DEFAULTS)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--longstraw-config {args.longstraw_config}: unknown longstraw settings "
+                         f"{unknown}; known: {sorted(known)}.")
+    return values
+
+
 def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
-    """YAML `longstraw:` section, overridden by every `--longstraw-*` flag that was given."""
-    values = dict(load_yaml(args.longstraw_config).get("longstraw", {}))
+    """YAML `longstraw:` section, overridden by every `--longstraw-*` flag that was given (the
+    LoRA keys go to `lora_settings_from_args`)."""
+    values = {k: v for k, v in _yaml_longstraw_section(args).items() if k not in LORA_DEFAULTS}
     if getattr(args, "seed", None) is not None and "seed" not in values:
         values["seed"] = args.seed
     for flag, field in _FLAG_TO_FIELD.items():
@@ -131,6 +177,96 @@ def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
         if value is not None:
             values[field] = value
     return LongStrawConfig.from_dict(values)
+
+
+LORA_DEFAULTS = {"lora": False, "qlora": False, "lora_rank": 64, "lora_alpha": 16.0,
+                 "lora_dropout": 0.0, "lora_targets": None, "lora_exclude": ()}
+"""YAML `longstraw:` LoRA keys and their defaults (rank and alpha: adapters.LoRAConfig's, the QLoRA
+paper's r = 64, alpha = 16; targets None: the family's)."""
+_LORA_FLAGS = {key: "--longstraw-" + key.replace("_", "-") for key in LORA_DEFAULTS}
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The resolved LoRA / QLoRA request of a launcher run."""
+
+    config: LoRAConfig
+    """Rank, alpha, dropout, targets, exclude, seed: what `adapters.apply_lora` takes."""
+    quantize_base: bool
+    """QLoRA: the frozen base weights of the wrapped linears in NF4."""
+    targets_given: bool
+    """The targets came from the flag or YAML (each must match a linear layer); else the family's
+    defaults (those the model lacks, e.g. GLM-5.2's q projections at q_lora_rank None, are
+    dropped)."""
+
+    def record(self) -> dict:
+        """What a checkpoint stores to check a resumed run asks for the same adapters."""
+        cfg = self.config
+        return {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout,
+                "targets": list(cfg.targets), "exclude": list(cfg.exclude),
+                "quantize_base": self.quantize_base}
+
+    def describe(self) -> str:
+        cfg = self.config
+        return (f"{'QLoRA (NF4 base)' if self.quantize_base else 'LoRA'} rank {cfg.rank}, alpha "
+                f"{cfg.alpha:g}, dropout {cfg.dropout:g}, targets {', '.join(cfg.targets)}"
+                + (f", exclude {', '.join(cfg.exclude)}" if cfg.exclude else ""))
+
+
+def _patterns(value, where: str) -> tuple[str, ...]:
+    """Flag words or a YAML string / list -> patterns; commas also separate."""
+    items = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{where}: expected module names or patterns, got {value!r}.")
+    return tuple(p.strip() for item in items for p in item.split(",") if p.strip())
+
+
+def lora_settings_from_args(args: argparse.Namespace, default_targets: tuple[str, ...],
+                            seed: int) -> LoRASettings | None:
+    """The YAML `longstraw:` LoRA keys overridden by the `--longstraw-lora*` / `--longstraw-qlora`
+    flags that were given; None for a full-parameter run. ValueError, naming the flag, for values
+    out of range and for LoRA settings given while LoRA is off."""
+    values = {k: v for k, v in _yaml_longstraw_section(args).items() if k in LORA_DEFAULTS}
+    for key in LORA_DEFAULTS:
+        flag_value = getattr(args, "longstraw_" + key, None)
+        if flag_value is not None:
+            values[key] = flag_value
+    def where(key: str) -> str:
+        return f"{_LORA_FLAGS[key]} (YAML longstraw.{key})"
+    for key in ("lora", "qlora"):
+        if not isinstance(values.get(key, False), bool):
+            raise ValueError(f"{where(key)}: expected true or false, got {values[key]!r}.")
+    qlora = values.get("qlora", False)
+    if qlora and values.get("lora") is False:
+        raise ValueError("--longstraw-qlora trains LoRA adapters on an NF4 base, but LoRA is "
+                         "switched off (--no-longstraw-lora or `lora: false`); drop one of them.")
+    if not (values.get("lora", False) or qlora):
+        # Settings with LoRA switched off explicitly (`lora: false`, --no-longstraw-lora) are a
+        # toggle; without any switch they are a forgotten --longstraw-lora.
+        extra = sorted(k for k in values if k not in ("lora", "qlora"))
+        if extra and values.get("lora") is not False:
+            raise ValueError(f"{', '.join(_LORA_FLAGS[k] for k in extra)} given, but LoRA is off: "
+                             "add --longstraw-lora (or --longstraw-qlora for an NF4 base), or drop "
+                             "the LoRA settings for a full-parameter run.")
+        return None
+    settings = {**LORA_DEFAULTS, **values}
+    rank, alpha, dropout = settings["lora_rank"], settings["lora_alpha"], settings["lora_dropout"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where('lora_rank')} must be a positive integer, got {rank!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"{where('lora_alpha')} must be > 0, got {alpha!r}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+            or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{where('lora_dropout')} must be in [0, 1), got {dropout!r}.")
+    targets_given = settings["lora_targets"] is not None
+    targets = (_patterns(settings["lora_targets"], where("lora_targets")) if targets_given
+               else tuple(default_targets))
+    if not targets:
+        raise ValueError(f"{where('lora_targets')}: no module names given.")
+    exclude = _patterns(settings["lora_exclude"], where("lora_exclude"))
+    config = LoRAConfig(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=targets,
+                        exclude=exclude, seed=seed)
+    return LoRASettings(config, quantize_base=qlora, targets_given=targets_given)
 
 
 def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

@@ -2,7 +2,7 @@
 
 GLM-5.2 and Qwen3.6 differ, for the launcher, only in what this table holds: the config class, the
 model builder, which Megatron model flags set which config field, how many expert-parallel ranks the
-model can use, and a one-line description for the run summary. Everything after the build
+model can use, the linears LoRA wraps by default, and a one-line description for the run summary. Everything after the build
 (capture, replay, finalisation, checkpoints, receipts) is family-independent.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_longstraw.adapters import GLM52_TARGETS, QWEN36_TARGETS
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 
@@ -128,13 +129,18 @@ class Family:
     max_expert_parallel_size: int | None
     """The largest `--expert-model-parallel-size` the model can use (None: any that divides its
     experts; 1: the model has no experts)."""
+    lora_targets: tuple[str, ...] = ()
+    """The linears `--longstraw-lora` wraps when `--longstraw-lora-targets` is not given
+    (adapters.py's per-family defaults)."""
 
 
 FAMILIES: dict[str, Family] = {
     "glm52": Family("glm52", GLM52Config, "examples/glm52/tiny.yaml", GLM52_FROM_MEGATRON,
-                    _build_glm52, _describe_glm52, max_expert_parallel_size=None),
+                    _build_glm52, _describe_glm52, max_expert_parallel_size=None,
+                    lora_targets=GLM52_TARGETS),
     "qwen36": Family("qwen36", Qwen36Config, "examples/qwen36/tiny.yaml", QWEN36_FROM_MEGATRON,
-                     _build_qwen36, _describe_qwen36, max_expert_parallel_size=1),
+                     _build_qwen36, _describe_qwen36, max_expert_parallel_size=1,
+                     lora_targets=QWEN36_TARGETS),
 }
 
 

@@ -8,11 +8,24 @@ step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-di
 `--save`/`--save-interval`, and writes a receipt for the last step. `--load` takes either a
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
+`--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
+while `--load` names the run's own checkpoints: the first run (no checkpoint there yet) starts
+from the former, later runs resume from the latter.
+
+LoRA / QLoRA (`--longstraw-lora`, `--longstraw-qlora`, `--longstraw-lora-*`; adapters.py): the
+model is built, its initial weights loaded, then the targeted linears are wrapped (base frozen,
+in NF4 with QLoRA) before the optimizer exists, so the optimizer holds the adapters only; the
+KL reference (kl_coef > 0) is `adapters.reference_view`: the same tensors with adapters off, no
+second copy. A checkpoint holds the adapters and their optimizer state, not the frozen base; it
+records where the base came from and its fingerprint, and a resume reloads the base and refuses
+another one (checkpoint.py explains why the base is not saved). `--longstraw-save-merged DIR`
+writes base + adapters merged in model format after the last step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import time
@@ -20,11 +33,14 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_longstraw.arguments import (
+    LoRASettings,
     add_longstraw_args,
     explicit_flags,
     longstraw_config_from_args,
+    lora_settings_from_args,
     model_config_values,
 )
 from megatron_longstraw.families import check_parallel_sizes, get_family
@@ -66,6 +82,144 @@ def resolve(args, given: set[str]):
     return family.name, model_cfg, ls, DTYPES[dtype_name]
 
 
+def resolve_lora(args, family: str, ls):
+    """(LoRASettings or None, LongStrawConfig) for this run, validated before any process group
+    starts. LoRA wraps Megatron's local linears: under `--longstraw-kernels auto` the dense layers
+    are then built with the local spec (`dense=ref`, logged) instead of TransformerEngine's; an
+    explicit `dense=te` is refused. A KL penalty needs a reference policy, which the launcher has
+    for LoRA runs only (the base with adapters off)."""
+    from megatron_longstraw.kernels import select
+
+    lora = lora_settings_from_args(args, get_family(family).lora_targets, ls.seed)
+    if lora is None:
+        if ls.kl_coef > 0:
+            raise ValueError(
+                f"--longstraw-kl-coef {ls.kl_coef:g} needs a reference policy. The launcher "
+                "provides it for LoRA / QLoRA runs (--longstraw-lora / --longstraw-qlora: the "
+                "frozen base with adapters off, no second copy of the model); a full-parameter "
+                "run would need a frozen copy of the initial model, which the launcher does not "
+                "build. Set --longstraw-kl-coef 0 or train adapters.")
+        return None, ls
+    dense = select.parse_spec(ls.kernels)["dense"]
+    if dense == "te":
+        raise ValueError(f"--longstraw-kernels {ls.kernels}: LoRA wraps Megatron's local linear "
+                         "layers (ColumnParallelLinear / RowParallelLinear), not "
+                         "TransformerEngine's; add dense=ref (e.g. --longstraw-kernels "
+                         "auto,dense=ref).")
+    if dense == "auto":
+        ls = dataclasses.replace(ls, kernels=f"{ls.kernels},dense=ref")
+    return lora, ls
+
+
+def check_outputs(args, lora: LoRASettings | None) -> None:
+    """Refuse, before any work, outputs that could only fail after training."""
+    merged = args.longstraw_save_merged
+    if merged is None:
+        return
+    if lora is None:
+        raise ValueError("--longstraw-save-merged writes base + LoRA adapters merged; this run "
+                         "trains every parameter (use --save: its checkpoints hold the weights).")
+    if Path(merged).exists() and (not Path(merged).is_dir() or any(Path(merged).iterdir())):
+        raise ValueError(f"--longstraw-save-merged {merged} exists and is not an empty directory; "
+                         "choose a new one (nothing is overwritten).")
+
+
+@dataclasses.dataclass
+class Setup:
+    """What `setup_model` prepared."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None
+    """The KL reference (kl_coef > 0, LoRA runs): adapters.reference_view(model)."""
+    first_step: int
+    """0, or the step of the resumed checkpoint."""
+    lora: LoRASettings | None
+    """The adapters applied (targets resolved against the model), None for full-parameter."""
+    meta: dict
+    """What every checkpoint of this run records in meta.json: family, initial weights, LoRA."""
+    messages: list[str]
+    """What happened (printed by rank 0)."""
+
+
+def _starting_points(args) -> tuple[str | None, Path | None]:
+    """(model-format directory of the initial weights or None, training checkpoint to resume or
+    None) from --load / --pretrained-checkpoint."""
+    from megatron_longstraw import checkpoint
+
+    init, resume = args.pretrained_checkpoint, None
+    if init is not None and not checkpoint.is_model_format(init):
+        raise ValueError(f"--pretrained-checkpoint {init}: not a model-format directory (no "
+                         f"{checkpoint.MODEL_META}); pass a tools/convert_hf.py output.")
+    if args.load:
+        if checkpoint.is_model_format(args.load):
+            if init is not None and Path(init).resolve() != Path(args.load).resolve():
+                raise ValueError(f"--load {args.load} and --pretrained-checkpoint {init} are both "
+                                 "model-format directories of initial weights; pass one (with "
+                                 "--pretrained-checkpoint, --load names the run's checkpoints).")
+            init = args.load
+        else:
+            resume = checkpoint.latest_checkpoint(args.load)
+    return init, resume
+
+
+def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | None,
+                expert_parallel_size: int) -> Setup:
+    """Build the model, load its initial weights (or keep the seeded initialisation), apply the
+    LoRA adapters, create the optimizer over the trainable parameters, resume from the latest
+    checkpoint of --load. Collective (every rank)."""
+    from megatron_longstraw import adapters, checkpoint
+    from megatron_longstraw.kernels import select
+
+    init, resume = _starting_points(args)
+    saved = checkpoint.read_checkpoint_meta(resume) if resume is not None else None
+    if saved is not None and saved.get("family", family) != family:
+        raise ValueError(f"{resume} holds a {saved['family']!r} run, not --longstraw-family "
+                         f"{family}.")
+    model = get_family(family).build(model_cfg, dtype, expert_parallel_size)
+    if lora is not None:
+        lora = dataclasses.replace(lora, config=adapters.resolve_targets(
+            model, lora.config, strict=lora.targets_given))
+    if saved is not None:
+        checkpoint.check_lora_resume(resume, saved.get("lora"),
+                                     lora.record() if lora is not None else None)
+        if lora is not None and init is None:   # the base the adapters were trained on
+            init = saved["lora"]["base"].get("source")
+            if init is not None and not checkpoint.is_model_format(init):
+                raise ValueError(f"{resume} trained adapters on the base model in {init}, which "
+                                 "is no longer a model-format directory; pass the same weights "
+                                 "with --pretrained-checkpoint DIR.")
+    messages = []
+    # A resumed full-parameter run takes every weight from its checkpoint; a LoRA run needs its
+    # base first (the checkpoint holds only the adapters).
+    if init is not None and (resume is None or lora is not None):
+        checkpoint.load_model(init, model, family=family)
+        messages.append(f"initialised from model-format weights {init}")
+    meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
+            "lora": None}
+    if lora is not None:
+        base = {"source": meta["initial_weights"], "seed": None if init else ls.seed}
+        fingerprint = checkpoint.model_fingerprint(model)
+        if saved is not None:
+            checkpoint.check_lora_base(resume, saved["lora"]["base"], fingerprint, base)
+        fingerprints = [None] * dist.get_world_size()
+        dist.all_gather_object(fingerprints, fingerprint)
+        adapters.apply_lora(model, lora.config, quantize_base=lora.quantize_base)
+        meta["lora"] = {**lora.record(), "base": {**base, "fingerprints": fingerprints}}
+        messages.append(f"{lora.describe()} on {meta['lora']['base']['source'] or 'the random init'}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = select.optimizer_class()(
+        params, lr=args.lr if args.lr is not None else 1e-6,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        weight_decay=args.weight_decay)
+    first_step = 0
+    if resume is not None:
+        first_step, _ = checkpoint.load_checkpoint(resume, model, optimizer)
+        messages.append(f"resumed from {resume} at step {first_step}")
+    ref_model = adapters.reference_view(model) if lora is not None and ls.kl_coef > 0 else None
+    return Setup(model, optimizer, ref_model, first_step, lora, meta, messages)
+
+
 def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int):
     """This data-parallel replica's GRPO groups, cycling (same on every rank of its CP group)."""
     if args.longstraw_data:
@@ -92,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     args, given = parse(argv)
     family, model_cfg, ls, dtype = resolve(args, given)
+    lora, ls = resolve_lora(args, family, ls)
+    check_outputs(args, lora)
 
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_longstraw import parallel
@@ -104,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         format_table,
         human_bytes,
         page_bytes_summary,
+        parameter_counts,
         write_json_atomic,
     )
     from megatron_longstraw.schedule import train_step
@@ -115,24 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    model = get_family(family).build(model_cfg, dtype, ep)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = select.optimizer_class()(
-        params, lr=args.lr if args.lr is not None else 1e-6,
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        weight_decay=args.weight_decay)
-    first_step = 0
-    if args.load:
-        from megatron_longstraw import checkpoint
-
-        if checkpoint.is_model_format(args.load):  # tools/convert_hf.py output: weights, step 0
-            checkpoint.load_model(args.load, model, family=family)
-            if rank == 0:
-                print(f"initialised from model-format weights {args.load}", flush=True)
-        elif (path := checkpoint.latest_checkpoint(args.load)) is not None:
-            first_step, _ = checkpoint.load_checkpoint(path, model, optimizer)
-            if rank == 0:
-                print(f"resumed from {path} at step {first_step}", flush=True)
+    run = setup_model(args, family, model_cfg, dtype, ls, lora, ep)
+    model, optimizer, first_step, lora = run.model, run.optimizer, run.first_step, run.lora
+    params = parameter_counts(model)
+    if rank == 0 and run.messages:
+        print("\n".join(run.messages), flush=True)
     groups = _groups(args, model_cfg, ls, dp_rank, dp_size)
     for _ in range(first_step):
         next(groups)  # the data position of an uninterrupted run
@@ -144,8 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
         bar = ProgressBar(f"step {step} capture") if rank == 0 else None
         with SavedTensorMeter(model) as meter:
             # 1/DP: one optimizer step averages the DP replicas' groups (finalize.py sums).
-            result = train_step(model, optimizer, group, ls, max_grad_norm=args.clip_grad,
-                                loss_scale=1.0 / dp_size, progress=bar)
+            result = train_step(model, optimizer, group, ls, ref_model=run.ref_model,
+                                max_grad_norm=args.clip_grad, loss_scale=1.0 / dp_size,
+                                progress=bar)
         peaks = torch.tensor([peak_rss_bytes(), meter.peak_bytes, result.page_bytes],
                              dtype=torch.float64)
         dist.all_reduce(peaks[:2], op=dist.ReduceOp.MAX)
@@ -158,8 +302,16 @@ def main(argv: list[str] | None = None) -> dict:
             from megatron_longstraw.checkpoint import save_checkpoint
 
             save_checkpoint(args.save, model, optimizer, step + 1,
-                            extra={"family": family, "model": model_cfg.to_dict()})
+                            extra={"family": family, "model": model_cfg.to_dict()},
+                            meta_extra=run.meta)
     logger.close()
+    if args.longstraw_save_merged:
+        from megatron_longstraw.checkpoint import save_model
+
+        save_model(args.longstraw_save_merged, model, family=family, merge_adapters=True,
+                   source=f"LoRA run {args.longstraw_run_name} merged after step {total_iters}")
+        if rank == 0:
+            print(f"merged weights written to {args.longstraw_save_merged}", flush=True)
     if result is None:
         return {}
     per_rank = [None] * world
@@ -190,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
         "expert_parallel_size": ep,
         "data_parallel_size": dp_size,
         "dtype": str(dtype).replace("torch.", ""),
+        **params,
+        "lora": run.meta["lora"] and {k: v for k, v in run.meta["lora"].items() if k != "base"},
+        "initial_weights": run.meta["initial_weights"],
         "environment": environment(),
     }
     if rank != 0:
@@ -200,6 +355,11 @@ def main(argv: list[str] | None = None) -> dict:
         ("model", f"{family} ({get_family(family).describe(model_cfg)})"),
         ("parallel", f"{world} processes, CP={cp}, EP={ep}, DP={dp_size} "
                      f"({dist.get_backend()})"),
+        ("parameters", f"{params['trainable_params']:,} trainable of {params['total_params']:,}"
+                       + (f" ({lora.describe()}; NF4 base {human_bytes(params['nf4_base_bytes'])}, "
+                          f"{human_bytes(params['nf4_base_bytes_per_rank'])} per rank)"
+                          if lora is not None and lora.quantize_base else
+                          f" ({lora.describe()})" if lora is not None else "")),
         ("prompt / group", f"{receipt['prompt_len']} tokens, G={receipt['group_size']}, responses "
                            f"{receipt['response_lens']}"),
         ("capture", f"{result.phase_seconds['capture']:.1f} s"),
