@@ -157,6 +157,8 @@ class Footprint:
     replay_saved: dict[str, float]
     """SavedTensorMeter-convention bytes of replay (see glm52_replay_saved)."""
     notes: list[str] = field(default_factory=list)
+    host: list[Item] = field(default_factory=list)
+    """Host bytes per rank beside the pages (held from scoring to replay)."""
 
 
 # ---- shared helpers -----------------------------------------------------------------------------
@@ -359,13 +361,14 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     ]
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents, the CP path builds a global
-    # position lookup. Every member's DSA selections stay on the device until replay is done.
+    # position lookup.
     common = [Item("streamed page window (2 layers' local pages + latent cat copy)",
                    2 * n * (d_qk * spec.latent_bytes + index_row) + (n + r_pad) * d_qk * b),
               Item("global position lookup [P + R] int64 (CP path)",
-                   8 * (total + r_pad) if cp > 1 else 0),
-              Item("scored DSA selections: G x full indexer layers x [R, topk] int64",
-                   spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 8)]
+                   8 * (total + r_pad) if cp > 1 else 0)]
+    # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
+    host = [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
+                 spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4)]
     scoring = common + [
         Item("indexer scores [query_block, index_heads, key_block] fp32",
              indexer_block(min(spec.query_block, r_pad)), group="step"),
@@ -397,7 +400,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
                      phases={"capture (attention layer)": capture_attention,
                              "capture (MoE layer)": capture_moe,
                              "scoring": scoring, "replay": replay},
-                     replay_saved=saved, notes=notes)
+                     replay_saved=saved, notes=notes, host=host)
 
 
 # ---- Qwen3.6 ------------------------------------------------------------------------------------
@@ -765,6 +768,8 @@ class Plan:
     host_bytes_per_node: float
     replay_saved: dict[str, float]
     notes: list[str]
+    host_items: list[Item] = field(default_factory=list)
+    """Host bytes per rank beside the pages (Footprint.host)."""
     max_prompt_len_device: int | None = None
     max_prompt_len_host: int | None = None
     max_response_len_device: int | None = None
@@ -794,6 +799,7 @@ class Plan:
             "host_page_bytes_per_rank": self.host_page_bytes_per_rank,
             "host_page_bytes_per_rank_logical": self.host_page_bytes_per_rank_logical,
             "host_bytes_per_node_needed": self.host_bytes_per_node,
+            "host_items_per_rank": {i.name: i.bytes for i in self.host_items},
             "device_peak_bytes_per_rank": self.device_peak_bytes_per_rank,
             "peak_phase": self.peak_phase, "device_fits": self.device_fits,
             "host_fits": self.host_fits,
@@ -856,8 +862,8 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
                 host_page_bytes_per_rank=copies * allocated,
                 host_page_bytes_per_rank_logical=copies * logical,
                 host_bytes_per_node=spec.ranks_per_node
-                * (copies * allocated + spec.host_reserve_per_rank),
-                replay_saved=fp.replay_saved, notes=fp.notes)
+                * (copies * allocated + sum(i.bytes for i in fp.host) + spec.host_reserve_per_rank),
+                replay_saved=fp.replay_saved, notes=fp.notes, host_items=fp.host)
 
 
 def _largest(fits: Callable[[int], bool], hi: int = 1 << 34, lo: int = 1) -> int | None:
@@ -906,6 +912,7 @@ def format_plan(p: Plan) -> str:
         f" -> {'fits' if p.device_fits else 'DOES NOT FIT'}",
         f"  host pages per rank: {g(p.host_page_bytes_per_rank).strip()} allocated "
         f"({g(p.host_page_bytes_per_rank_logical).strip()} logical, page_tokens={s.page_tokens})",
+        *[f"  host beside the pages per rank: {g(i.bytes).strip()}  {i.name}" for i in p.host_items],
         f"  host per node ({s.ranks_per_node} ranks, + {g(s.host_reserve_per_rank).strip()} each): "
         f"{g(p.host_bytes_per_node).strip()} of {g(s.host_bytes).strip()} -> "
         f"{'fits' if p.host_fits else 'DOES NOT FIT'}",
