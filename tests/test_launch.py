@@ -128,6 +128,14 @@ def test_slurm_scripts_are_valid_bash_and_parse(script, family, cp, ep):
     _, model_cfg, ls, dtype = train.resolve(args, given)
     assert model_cfg.num_hidden_layers == {"glm52": 78, "qwen36": 64}[family]
     assert ls.group_size == 8 and dtype == torch.bfloat16
+    lora, ls = train.resolve_lora(args, family, ls)
+    if family == "qwen36":
+        # The paper's QLoRA: rank 19 on the default targets, 115,267,072 trainable parameters
+        # (test_adapters.py::test_qwen36_full_size_counts); the base from --pretrained-checkpoint.
+        assert lora.quantize_base and lora.config.rank == 19 and not lora.targets_given
+        assert "pretrained_checkpoint" in given and ls.kernels == "auto,dense=ref"
+    else:
+        assert lora is None
 
 
 def _launch(tmp_path, *flags: str) -> tuple[str, dict]:
