@@ -12,7 +12,15 @@ import torch
 import yaml
 
 from distributed import run_ranks
-from helpers import ROOT, TINY_GLM, build_tiny_glm, full_sequence_logprobs, tiny_glm_config
+from helpers import (
+    ROOT,
+    TINY_GLM,
+    TINY_QWEN,
+    build_tiny_glm,
+    build_tiny_qwen,
+    full_sequence_logprobs,
+    tiny_glm_config,
+)
 from test_data import make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -165,6 +173,34 @@ def test_random_init_is_seeded(tmp_path):
     got = torch.tensor(out["results"][0]["logprobs"][0], dtype=torch.float64)
     assert out["results"][0]["id"] == 1
     assert (got - ref).abs().max().item() <= 1e-9
+
+
+def test_qwen36_scores_equal_full_sequence_logprobs(tmp_path):
+    """--family qwen36 through the launcher's family table: a Qwen3.6 checkpoint scores like its
+    full-sequence forward, and the mismatch against shifted engine log-probs is the shift."""
+    cfg, model = build_tiny_qwen(torch.float64, seed=3)
+    (tmp_path / "ckpt").mkdir()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()
+                                 if not k.endswith("_extra_state")},
+                                tmp_path / "ckpt" / "model.safetensors")
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, cfg.vocab_size, (21,), generator=gen)
+    responses = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (3, 5)]
+    with torch.no_grad():
+        refs = [full_sequence_logprobs(model, prompt, r) for r in responses]
+    (tmp_path / "g.jsonl").write_text(json.dumps({
+        "id": "q", "prompt_ids": prompt.tolist(), "response_ids": [r.tolist() for r in responses],
+        "logprobs_old": [(ref - 0.125).tolist() for ref in refs]}) + "\n")
+    out = load_score_tool().main([
+        "--family", "qwen36", "--config", str(TINY_QWEN), "--checkpoint", str(tmp_path / "ckpt"),
+        "--dtype", "fp64", "--input", str(tmp_path / "g.jsonl"), "--out", str(tmp_path / "s.jsonl")])
+    result, = out["results"]
+    assert result["id"] == "q" and result["response_lens"] == [3, 5]
+    for got, ref in zip(result["logprobs"], refs):
+        # fp64: capture/replay and the full forward differ only in summation order.
+        assert (torch.tensor(got, dtype=torch.float64) - ref).abs().max().item() <= 1e-9
+    overall = out["summary"]["overall"]
+    assert overall["num_tokens"] == 8 and abs(overall["mean_diff"] - 0.125) <= 1e-9
 
 
 def test_ids_outside_the_model_vocabulary_are_rejected_with_their_line(tmp_path, scored):

@@ -2,7 +2,11 @@
 
     python tools/score.py --family glm52 --config examples/glm52/tiny.yaml --checkpoint DIR \
         --input groups.jsonl --out scores.jsonl [--tokenizer PATH] [--dtype fp32|fp64]
-    torchrun --nproc-per-node 2 tools/score.py ... --context-parallel-size 2     # CP = EP = 2
+    python tools/score.py --family qwen36 --config examples/qwen36/tiny.yaml --checkpoint DIR ...
+    torchrun --nproc-per-node 2 tools/score.py ... --context-parallel-size 2     # GLM: CP = EP = 2
+
+The model families are the launcher's (megatron_longstraw/families.py: config class, builder,
+expert-parallel limit). GLM-5.2 folds EP on the CP ranks (EP = CP); Qwen3.6 has no experts (EP 1).
 
 For every group of the input JSONL (examples/data/README.md) the prompt is captured once and each
 response is scored over the captured state, exactly as the training step's pre-step scoring does
@@ -26,22 +30,31 @@ from pathlib import Path
 
 import torch
 
+from megatron_longstraw.families import FAMILIES
+
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 # ---- models -------------------------------------------------------------------------------------
 
 
-def _build_glm52(config_path: str, dtype: torch.dtype):
-    from megatron_longstraw.models.glm52.config import GLM52Config
-    from megatron_longstraw.models.glm52.model import build_glm52_model
+def expert_parallel_size(family: str, context_parallel_size: int) -> int:
+    """EP folded on the CP ranks, as far as the family's model has experts to shard."""
+    from megatron_longstraw.families import get_family
 
-    cfg = GLM52Config.from_yaml(config_path)
-    return cfg, build_glm52_model(cfg, params_dtype=dtype), cfg.n_routed_experts
+    limit = get_family(family).max_expert_parallel_size
+    return context_parallel_size if limit is None else min(context_parallel_size, limit)
 
 
-FAMILIES = {"glm52": _build_glm52}
-"""--family -> builder(config_path, dtype) -> (model config, model, number of routed experts)."""
+def build_model(family: str, config_path: str, dtype: torch.dtype, expert_parallel_size: int = 1):
+    """(model config, model, number of routed experts) of `family` from the `model:` section of
+    `config_path`, built by the launcher's family table (model-parallel state initialised)."""
+    from megatron_longstraw.families import get_family
+
+    entry = get_family(family)
+    cfg = entry.config_class.from_yaml(config_path)
+    model = entry.build(cfg, dtype, expert_parallel_size)
+    return cfg, model, getattr(cfg, "n_routed_experts", 1)
 
 
 def load_checkpoint(model, path: str | Path, num_experts: int) -> Path:
@@ -200,7 +213,8 @@ def _fingerprint(record) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    p.add_argument("--family", choices=sorted(FAMILIES), required=True,
+                   help="Model family (megatron_longstraw/families.py).")
     p.add_argument("--config", required=True, help="Model YAML (`model:` and `longstraw:`).")
     weights = p.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors.")
@@ -213,7 +227,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="Output JSONL (one line per group).")
     p.add_argument("--tokenizer", help="Local tokenizer.json or tokenizer directory (text input).")
     p.add_argument("--context-parallel-size", type=int, default=1,
-                   help="CP = EP size; must equal the number of processes.")
+                   help="CP size (GLM-5.2: also the EP size; Qwen3.6: EP 1); must equal the "
+                        "number of processes.")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--mismatch-threshold", type=float, default=0.1,
                    help="Count tokens with |ours - logprobs_old| above this.")
@@ -231,14 +246,15 @@ def main(argv=None) -> dict:
     from megatron_longstraw.data import read_records
 
     cp = args.context_parallel_size
-    parallel.initialize(context_parallel_size=cp, expert_parallel_size=cp, seed=args.seed)
+    ep = expert_parallel_size(args.family, cp)
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=args.seed)
     if dist.get_world_size() != cp:
         raise SystemExit(f"score.py runs one context-parallel group: launch {cp} processes for "
                          f"--context-parallel-size {cp} (got {dist.get_world_size()}).")
     rank0 = dist.get_rank() == 0
     log = (lambda msg: print(f"[score] {msg}", file=sys.stderr, flush=True)) if rank0 else None
 
-    model_cfg, model, num_experts = FAMILIES[args.family](args.config, DTYPES[args.dtype])
+    model_cfg, model, num_experts = build_model(args.family, args.config, DTYPES[args.dtype], ep)
     if args.checkpoint:
         load_checkpoint(model, args.checkpoint, num_experts)
     model.eval()
