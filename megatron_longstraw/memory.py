@@ -39,7 +39,10 @@ class SavedTensorMeter:
     def _pack(self, tensor: torch.Tensor):
         if tensor.untyped_storage().data_ptr() in self._param_ptrs:
             return tensor
-        return _Saved(tensor, self, tensor.numel() * tensor.element_size())
+        # Held detached: a saved *output* kept with its grad_fn would form a cycle (tensor ->
+        # grad_fn -> this record -> tensor) that nothing frees, e.g. an unused branch of a graph.
+        # Backward formulas only read the values, which the detached view shares.
+        return _Saved(tensor.detach(), self, tensor.numel() * tensor.element_size())
 
     @staticmethod
     def _unpack(packed):
