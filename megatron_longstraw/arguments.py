@@ -166,6 +166,12 @@ def _yaml_longstraw_section(args: argparse.Namespace) -> dict:
     return values
 
 
+def longstraw_config_from_yaml(path: str) -> LongStrawConfig:
+    """The LongStrawConfig of a YAML's `longstraw:` section with the launcher's LoRA keys set
+    aside: for tools that read a training YAML but train nothing (tools/score.py)."""
+    return longstraw_config_from_args(argparse.Namespace(longstraw_config=path))
+
+
 def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
     """YAML `longstraw:` section, overridden by every `--longstraw-*` flag that was given (the
     LoRA keys go to `lora_settings_from_args`)."""

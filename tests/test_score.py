@@ -177,8 +177,12 @@ def test_random_init_is_seeded(tmp_path):
 
 def test_qwen36_scores_equal_full_sequence_logprobs(tmp_path):
     """--family qwen36 through the launcher's family table: a Qwen3.6 checkpoint scores like its
-    full-sequence forward, and the mismatch against shifted engine log-probs is the shift."""
+    full-sequence forward, and the mismatch against shifted engine log-probs is the shift. The
+    config is a training YAML with the launcher's LoRA keys (scoring ignores them)."""
     cfg, model = build_tiny_qwen(torch.float64, seed=3)
+    config = yaml.safe_load(TINY_QWEN.read_text())
+    config["longstraw"].update(qlora=True, lora_rank=19)
+    (tmp_path / "qlora.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "ckpt").mkdir()
     safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()
                                  if not k.endswith("_extra_state")},
@@ -192,7 +196,8 @@ def test_qwen36_scores_equal_full_sequence_logprobs(tmp_path):
         "id": "q", "prompt_ids": prompt.tolist(), "response_ids": [r.tolist() for r in responses],
         "logprobs_old": [(ref - 0.125).tolist() for ref in refs]}) + "\n")
     out = load_score_tool().main([
-        "--family", "qwen36", "--config", str(TINY_QWEN), "--checkpoint", str(tmp_path / "ckpt"),
+        "--family", "qwen36", "--config", str(tmp_path / "qlora.yaml"), "--checkpoint",
+        str(tmp_path / "ckpt"),
         "--dtype", "fp64", "--input", str(tmp_path / "g.jsonl"), "--out", str(tmp_path / "s.jsonl")])
     result, = out["results"]
     assert result["id"] == "q" and result["response_lens"] == [3, 5]

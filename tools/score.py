@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
 
     from megatron_longstraw import parallel
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.arguments import longstraw_config_from_yaml
     from megatron_longstraw.data import read_records
 
     cp = args.context_parallel_size
@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     if args.checkpoint:
         load_checkpoint(model, args.checkpoint, num_experts)
     model.eval()
-    ls = LongStrawConfig.from_yaml(args.config)
+    ls = longstraw_config_from_yaml(args.config)   # a training YAML's LoRA keys are ignored
 
     records = read_records(args.input, tokenizer=args.tokenizer, vocab_size=model_cfg.vocab_size,
                            require_rewards=False)
