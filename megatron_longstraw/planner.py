@@ -475,18 +475,15 @@ def zero_centred_norm_saved(rows: int, width: int, acc: float) -> float:
     return (3 * rows * width + 2 * rows + width) * acc
 
 
-def torch_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int, f: float = 4,
-                                 leaked: bool = True) -> tuple[float, float]:
+def torch_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int,
+                                 f: float = 4) -> tuple[float, float]:
     """Megatron-Core's `torch_chunk_gated_delta_rule` (the CPU kernel, gated_delta_net/common.py)
     under autograd, from an initial state that needs no gradient (a captured page, or zeros): every
     tensor in float32 (`f`), rows padded to whole chunks of C = GDN_CHUNK. Line numbers are
     Megatron-Core 0.19.2's.
 
     The last chunk's state update (lines 888-889) feeds only the final state, which replay drops, so
-    its graph is freed, except the two `exp` outputs it saved: a tensor saved as its own op's output
-    holds a reference cycle through a saved-tensor hook's packed object, so while SavedTensorMeter's
-    hooks are installed they live on, uncollectable (`leaked`; [H] + [H, C] floats per layer per
-    replayed branch). Without hooks they are freed.
+    its graph, with the two `exp` outputs it saved, is freed when the call returns.
 
     Returns (bytes kept until backward, bytes of that last update: saved while the call runs, freed
     when it returns)."""
@@ -512,10 +509,9 @@ def torch_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int, f: flo
     update = (H + H * dk * dv                                  # S * exp(g_last) (888)
               + 2 * H * C + H * C * dk + H * dk * C + H * C * dv)  # (k * exp(..))^T @ v_new (889)
     floats = (before_loop + chunks * per_chunk + (chunks - 1) * (state_grad + update)
-              + max(chunks - 2, 0) * H                         # 888 saves exp(g_last) once S has grad
-              + (H + H * C if leaked else 0))
+              + max(chunks - 2, 0) * H)                        # 888 saves exp(g_last) once S has grad
     masks = C * C + chunks * C * C                             # bool masks of 861 and 882
-    last_update = update + (H if chunks > 1 else 0) - (H + H * C)
+    last_update = update + (H if chunks > 1 else 0)
     return floats * f + masks, last_update * f
 
 

@@ -253,10 +253,10 @@ def test_qwen36_page_bytes_equal_captured_pages_exactly(dtype, b):
 
 def _qwen_replay_peak(model, captured, response, ls):
     """SavedTensorMeter peak while one member is replayed and backpropagated with the GRPO member
-    loss (as schedule.py calls it). One member on a fresh meter: under the meter's hooks the two
-    `exp` outputs that the delta rule's dropped final-state update saved stay alive (a reference
-    cycle through the hook's packed object; planner.torch_chunk_delta_rule_saved), so a meter
-    around forward_backward_longstraw would also carry the earlier members' ones."""
+    loss (as schedule.py calls it), on a fresh meter. (The two `exp` outputs that the delta
+    rule's dropped final-state update saves count while they live, see
+    planner.torch_chunk_delta_rule_saved; the meter holds them detached, so they no longer outlive
+    the member, tests/test_memory.py.)"""
     from megatron_longstraw.grpo import GRPOLossConfig, member_loss
     from megatron_longstraw.replay import replay_member
 
