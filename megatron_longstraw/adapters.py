@@ -68,7 +68,10 @@ class LoRAConfig:
     alpha: float = 16.0
     """The update is scaled by alpha / rank (QLoRA paper: r = 64, alpha = 16)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input (call path only; `.weight` readers see no dropout)."""
+    """Dropout on the adapter's input, in training mode and only while autograd records (the
+    replay pass): the no-grad passes (prompt capture, pre-step scoring of logp_old) see the
+    deterministic adapters, so the captured prompt state is not one random dropout sample shared
+    by every member. `.weight` readers (GLM-5.2's absorbed MLA product) see no dropout."""
     targets: tuple[str, ...] = QWEN36_TARGETS
     """Patterns (fnmatch) matched against a module's last name component or its full name."""
     exclude: tuple[str, ...] = ()
@@ -202,7 +205,10 @@ class LoRALinear(nn.Module):
         if not self.enabled or self.merged:
             return result
         out = result[0] if isinstance(result, tuple) else result
-        update = (self.dropout(x.to(self.lora_A.dtype)) @ self.lora_A.t()) @ self.lora_B.t()
+        inputs = x.to(self.lora_A.dtype)
+        if torch.is_grad_enabled():   # replay only (LoRAConfig.dropout)
+            inputs = self.dropout(inputs)
+        update = (inputs @ self.lora_A.t()) @ self.lora_B.t()
         out = out + (self.scaling * update).to(out.dtype)
         return (out, *result[1:]) if isinstance(result, tuple) else out
 

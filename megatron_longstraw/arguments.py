@@ -101,7 +101,8 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="The update is scaled by alpha / rank (default "
                             f"{LORA_DEFAULTS['lora_alpha']:g}).")
     group.add_argument("--longstraw-lora-dropout", type=float, default=None,
-                       help="Dropout on the adapters' input, in [0, 1) (default 0).")
+                       help="Dropout on the adapters' input, in [0, 1) (default 0); applied "
+                            "in replay only (capture and scoring run without it).")
     group.add_argument("--longstraw-lora-targets", nargs="+", default=None, metavar="PATTERN",
                        help="Linear layers that get adapters: names or fnmatch patterns matched "
                             "against a module's last name component or its full name (default: "

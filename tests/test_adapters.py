@@ -160,6 +160,26 @@ def test_nf4_layer_keeps_the_megatron_bias_contract():
         assert expected[1] is None or torch.equal(got[1], expected[1])
 
 
+def test_dropout_only_where_autograd_records():
+    """LoRA dropout acts in replay (grad enabled), not in the no-grad capture / scoring passes."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    _, model = build_tiny_glm(torch.float32)
+    layer = ColumnParallelLinear(64, 96, config=model.config, init_method=model.config.init_method,
+                                 bias=False, gather_output=False)
+    wrapper = LoRALinear(layer, _cfg(dropout=0.5), "layer", quantize_base=False)
+    with torch.no_grad():
+        wrapper.lora_B.normal_(generator=torch.Generator().manual_seed(1))
+    x = torch.randn(7, 1, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = layer(x)[0] + wrapper.delta_weight().matmul(x[..., None])[..., 0]
+        first, second = wrapper(x)[0], wrapper(x)[0]
+    assert torch.equal(first, second) and torch.allclose(first, plain, atol=1e-5)
+    torch.manual_seed(0)
+    dropped = wrapper(x)[0]                                # grad enabled: a dropout sample
+    assert dropped.requires_grad and (dropped - plain).abs().max() > 1e-3
+
+
 def test_grpo_steps_touch_only_adapters():
     """Two LongStraw train_steps (QLoRA, KL against the adapters-off reference): gradients reach
     the adapters only, and only adapters change."""
