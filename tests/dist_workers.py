@@ -163,7 +163,16 @@ def short_prompt_worker(rank, state_path, prompt_len):
     parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
     group = groups_for(cfg, 1, prompt_len=prompt_len)[0]
     result = forward_backward_longstraw(model, group, longstraw_cfg(3))
-    return [lp.clone() for lp in result.logps]
+    return {"logps": [lp.clone() for lp in result.logps], "plain_forward": _plain_forward(model)}
+
+
+def _plain_forward(model) -> str:
+    """A plain Megatron forward of a model built for CP > 1: must refuse (it has no layout)."""
+    try:
+        model(torch.arange(8)[None], None, None)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
@@ -185,4 +194,5 @@ def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
     captured = capture_prompt(model, group.prompt_ids, longstraw_cfg(len(lens)))
     pages = {(layer, kind): captured.pages.fetch(layer, kind).clone()
              for layer in captured.pages.layers() for kind in captured.pages.kinds(layer)}
-    return {"runs": runs, "pages": pages, "positions": captured.positions}
+    return {"runs": runs, "pages": pages, "positions": captured.positions,
+            "plain_forward": _plain_forward(model)}

@@ -128,6 +128,8 @@ def test_prompt_shards_shorter_than_topk(reference):
     expected = forward_backward_longstraw(model, group, dist_workers.longstraw_cfg(3)).logps
     outs = run_ranks(dist_workers.short_prompt_worker, 2, state_path=reference["path"],
                      prompt_len=23)
-    for logps in outs:
-        for got, exp in zip(logps, expected):
+    for out in outs:
+        for got, exp in zip(out["logps"], expected):
             assert (got - exp).abs().max() <= 1e-9
+        # A plain forward under CP has no layout: refused, not silently shard-local.
+        assert "no context-parallel layout" in out["plain_forward"], out["plain_forward"]

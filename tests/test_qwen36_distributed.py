@@ -78,6 +78,8 @@ def test_cp_equals_single_process(reference, cp):
                 expected = full[out["positions"]]
             assert tensor.shape == expected.shape, (layer, kind)
             worst["state"] = max(worst["state"], _rel(tensor, expected))
+        # A plain forward under CP has no layout: refused, not silently shard-local.
+        assert "context parallel" in out["plain_forward"], out["plain_forward"]
     # Replicas are identical after the step.
     for name in ref["params"]:
         assert all(torch.equal(o["runs"][0]["params"][name], outs[0]["runs"][0]["params"][name])

@@ -70,6 +70,12 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                              f"batch {hidden_states.shape[1]}.")
         core: DSAIndexHolder = self.core_attention
         state = current_pass() or self._implicit_full_pass(hidden_states, core.layer_idx)
+        if state.mode == "full" and self.config.context_parallel_size > 1:
+            raise ValueError(
+                "A plain forward of this model has no context-parallel layout (each rank would "
+                f"treat its shard as a whole sequence); the model was built for CP="
+                f"{self.config.context_parallel_size}: run it through LongStraw capture and replay "
+                "(schedule.forward_backward_longstraw / replay.score_member), or build it with CP 1.")
         if state.mode == "replay" and state.cp.size > 1:
             out = self._replay_context_parallel(hidden_states, state)
         else:
