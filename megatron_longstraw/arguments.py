@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from megatron_longstraw.adapters import LoRAConfig
-from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.config import ADAPTER_KEYS, LongStrawConfig
 from megatron_longstraw.kernels.select import KernelChoices
 
 FAMILIES = ("glm52", "qwen36")
@@ -186,8 +186,7 @@ def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
     return LongStrawConfig.from_dict(values)
 
 
-LORA_DEFAULTS = {"lora": False, "qlora": False, "lora_rank": 64, "lora_alpha": 16.0,
-                 "lora_dropout": 0.0, "lora_targets": None, "lora_exclude": ()}
+LORA_DEFAULTS = dict(zip(ADAPTER_KEYS, (False, False, 64, 16.0, 0.0, None, ())))
 """YAML `longstraw:` LoRA keys and their defaults (rank and alpha: adapters.LoRAConfig's, the QLoRA
 paper's r = 64, alpha = 16; targets None: the family's)."""
 _LORA_FLAGS = {key: "--longstraw-" + key.replace("_", "-") for key in LORA_DEFAULTS}

@@ -65,5 +65,13 @@ class LongStrawConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "LongStrawConfig":
+        """The step settings of a YAML's `longstraw:` section; its adapter keys (`ADAPTER_KEYS`, the
+        launcher's LoRA / QLoRA request, arguments.py) are not step settings and are skipped."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        return cls.from_dict(data.get("longstraw", {}))
+        section = data.get("longstraw", {}) or {}
+        return cls.from_dict({k: v for k, v in section.items() if k not in ADAPTER_KEYS})
+
+
+ADAPTER_KEYS = ("lora", "qlora", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                "lora_exclude")
+"""YAML `longstraw:` keys that configure adapters (arguments.LORA_DEFAULTS), not the step."""

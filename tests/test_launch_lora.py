@@ -266,3 +266,16 @@ def test_glm52_lora_step_without_expert_adapters(tmp_path, runs):
     meta = json.loads((tmp_path / "ckpt" / "step_00000001" / "meta.json").read_text())
     assert meta["lora"]["base"]["source"] == str(init.resolve())
     assert meta["lora"]["exclude"] == ["*.experts.*"]
+
+
+def test_step_config_from_a_yaml_with_adapter_keys(tmp_path):
+    """Tools that read only the step settings (bench, plan_memory, the Python API) accept a
+    training YAML that also carries the launcher's LoRA keys; a misspelt key still fails."""
+    from megatron_longstraw.config import LongStrawConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("longstraw:\n  group_size: 3\n  qlora: true\n  lora_rank: 19\n")
+    assert LongStrawConfig.from_yaml(path).group_size == 3
+    path.write_text("longstraw:\n  group_size: 3\n  lora_rnak: 19\n")
+    with pytest.raises(ValueError, match="lora_rnak"):
+        LongStrawConfig.from_yaml(path)
