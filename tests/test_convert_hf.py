@@ -77,13 +77,15 @@ def converted(hf_checkpoint, tmp_path_factory):
     return out
 
 
-def _our_model(model_dir):
-    from megatron_longstraw.models.glm52.model import build_glm52_model
+def _our_model(model_dir, family: str = "glm52"):
+    """The converted directory loaded into this package's model of `family` (fp64)."""
+    from megatron_longstraw.families import FAMILIES
 
     meta, _ = checkpoint.read_model(model_dir)
-    model = build_glm52_model(GLM52Config.from_dict(meta["model"]), params_dtype=F64)
+    spec = FAMILIES[family]
+    model = spec.build(spec.config_class.from_dict(meta["model"]), F64, 1)
     before = {n: t.clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
-    checkpoint.load_model(model_dir, model)
+    checkpoint.load_model(model_dir, model, family=family)
     unchanged = [n for n, t in model.state_dict().items()
                  if torch.is_tensor(t) and torch.equal(t, before[n])]
     assert not unchanged, unchanged[:5]  # every weight came from the file
@@ -224,19 +226,6 @@ def qwen_converted(qwen_checkpoint, tmp_path_factory):
     return out
 
 
-def _our_qwen(model_dir):
-    from megatron_longstraw.models.qwen36.model import build_qwen36_model
-
-    meta, _ = checkpoint.read_model(model_dir)
-    model = build_qwen36_model(Qwen36Config.from_dict(meta["model"]), params_dtype=F64)
-    before = {n: t.clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
-    checkpoint.load_model(model_dir, model, family="qwen36")
-    unchanged = [n for n, t in model.state_dict().items()
-                 if torch.is_tensor(t) and torch.equal(t, before[n])]
-    assert not unchanged, unchanged[:5]  # every weight came from the file
-    return model.eval()
-
-
 def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
@@ -258,7 +247,7 @@ def test_qwen36_converted_model_matches_transformers(qwen_checkpoint, qwen_conve
     from megatron_longstraw.replay import score_member
     from megatron_longstraw.state import AttentionPass, attention_pass
 
-    model = _our_qwen(qwen_converted)
+    model = _our_model(qwen_converted, "qwen36")
     reference = Qwen3_5ForCausalLM.from_pretrained(
         qwen_checkpoint[0], attn_implementation="eager").to(F64).eval()
     _upcast_qwen_reference(reference, monkeypatch)
