@@ -386,7 +386,7 @@ def merged_state_dict(model: nn.Module, device: torch.device | str | None = "cpu
     """`model`'s state dict as the model without adapters would have it (the names of the built
     model, every `<layer>.base.` folded away, no `lora_A` / `lora_B`), each wrapped layer's weight
     replaced by base + scaling * B A: the weights of the policy the adapters define, for export
-    (checkpoint.save_model(..., merge_adapters=True)). The sum is computed in float32 (float64 for
+    (model_format.save_model(..., merge_adapters=True)). The sum is computed in float32 (float64 for
     a float64 base) and cast once to the base dtype; with an NF4 base the base is its dequantised
     weight, the one the adapters were trained against. Merged tensors are moved to `device` one
     at a time (None: stay where they are); other entries are the model's own tensors. The model is

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_longstraw.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.capture import capture_prompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.grpo import group_advantages, member_loss, validate_group
 from megatron_longstraw.kernels import select

@@ -145,14 +145,14 @@ class Setup:
 def _starting_points(args) -> tuple[str | None, Path | None]:
     """(model-format directory of the initial weights or None, training checkpoint to resume or
     None) from --load / --pretrained-checkpoint."""
-    from megatron_longstraw import checkpoint
+    from megatron_longstraw import checkpoint, model_format
 
     init, resume = args.pretrained_checkpoint, None
-    if init is not None and not checkpoint.is_model_format(init):
+    if init is not None and not model_format.is_model_format(init):
         raise ValueError(f"--pretrained-checkpoint {init}: not a model-format directory (no "
-                         f"{checkpoint.MODEL_META}); pass a tools/convert_hf.py output.")
+                         f"{model_format.MODEL_META}); pass a tools/convert_hf.py output.")
     if args.load:
-        if checkpoint.is_model_format(args.load):
+        if model_format.is_model_format(args.load):
             if init is not None and Path(init).resolve() != Path(args.load).resolve():
                 raise ValueError(f"--load {args.load} and --pretrained-checkpoint {init} are both "
                                  "model-format directories of initial weights; pass one (with "
@@ -168,7 +168,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     """Build the model, load its initial weights (or keep the seeded initialisation), apply the
     LoRA adapters, create the optimizer over the trainable parameters, resume from the latest
     checkpoint of --load. Collective (every rank)."""
-    from megatron_longstraw import adapters, checkpoint
+    from megatron_longstraw import adapters, checkpoint, model_format
     from megatron_longstraw.kernels import select
 
     init, resume = _starting_points(args)
@@ -185,7 +185,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
                                      lora.record() if lora is not None else None)
         if lora is not None and init is None:   # the base the adapters were trained on
             init = saved["lora"]["base"].get("source")
-            if init is not None and not checkpoint.is_model_format(init):
+            if init is not None and not model_format.is_model_format(init):
                 raise ValueError(f"{resume} trained adapters on the base model in {init}, which "
                                  "is no longer a model-format directory; pass the same weights "
                                  "with --pretrained-checkpoint DIR.")
@@ -193,7 +193,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     # A resumed full-parameter run takes every weight from its checkpoint; a LoRA run needs its
     # base first (the checkpoint holds only the adapters).
     if init is not None and (resume is None or lora is not None):
-        checkpoint.load_model(init, model, family=family)
+        model_format.load_model(init, model, family=family)
         messages.append(f"initialised from model-format weights {init}")
     meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
             "lora": None}
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
                             meta_extra=run.meta)
     logger.close()
     if args.longstraw_save_merged:
-        from megatron_longstraw.checkpoint import save_model
+        from megatron_longstraw.model_format import save_model
 
         save_model(args.longstraw_save_merged, model, family=family, merge_adapters=True,
                    source=f"LoRA run {args.longstraw_run_name} merged after step {total_iters}")

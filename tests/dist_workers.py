@@ -77,7 +77,6 @@ def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
 def failing_capture_worker(rank, cp, failing_rank):
     """Rank `failing_rank` raises in the middle of capture; the others must not hang."""
     from megatron_longstraw import parallel
-    from megatron_longstraw.capture import capture_prompt
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=cp, timeout_s=120,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])

@@ -10,7 +10,7 @@ import torch
 
 from distributed import run_ranks
 from helpers import build_tiny_glm
-from megatron_longstraw import checkpoint
+from megatron_longstraw import checkpoint, model_format
 from megatron_longstraw.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -130,7 +130,7 @@ def resume_worker(rank, save_dir, model_dir):
     fresh_optimizer = _optimizer(fresh)
     step, extra = load_checkpoint(latest_checkpoint(save_dir), fresh, fresh_optimizer)
     _train_step(fresh, fresh_optimizer, second)
-    checkpoint.save_model(model_dir, fresh)  # collective: gathers every expert
+    model_format.save_model(model_dir, fresh)  # collective: gathers every expert
     resumed = _params(fresh)
     # LoRA on every linear, experts included, then merged export: gathers merged experts too.
     from megatron_longstraw.adapters import GLM52_TARGETS, LoRAConfig, apply_lora, lora_modules
@@ -143,7 +143,7 @@ def resume_worker(rank, save_dir, model_dir):
             module.lora_B.normal_(generator=torch.Generator().manual_seed(3))
     merged = {global_name(n, cfg.n_routed_experts): t.clone()
               for n, t in merged_state_dict(fresh).items() if isinstance(t, torch.Tensor)}
-    checkpoint.save_model(f"{model_dir}-merged", fresh, merge_adapters=True)
+    model_format.save_model(f"{model_dir}-merged", fresh, merge_adapters=True)
     return {"step": step, "extra": extra, "straight": straight, "resumed": resumed,
             "merged": merged}
 
@@ -164,18 +164,18 @@ def test_cp2_ep2_save_resume_and_layout_mismatch(tmp_path):
                                         "rank_00001.pt"]
     # Each EP rank's shard holds its own experts under their global index (4 of 8 per layer).
     for ep_rank, experts in ((0, range(0, 4)), (1, range(4, 8))):
-        names = set(checkpoint.SafetensorsReader([ckpt / f"experts_ep{ep_rank:03d}.safetensors"]))
+        names = set(model_format.SafetensorsReader([ckpt / f"experts_ep{ep_rank:03d}.safetensors"]))
         found = {int(n.split("local_experts.")[1].split(".")[0]) for n in names}
         assert found == set(experts), (ep_rank, found)
 
     # save_model under EP2 wrote every expert once: the union of both ranks' parameters.
-    meta, weights = checkpoint.read_model(model_dir)
+    meta, weights = model_format.read_model(model_dir)
     assert meta["parallel"]["expert_parallel_size"] == 2
     union = {**outs[0]["resumed"], **outs[1]["resumed"]}
     assert set(union) <= set(weights)
     assert all(torch.equal(weights[n], union[n]) for n in union)
     # The merged export under EP2: W + s B A of every rank's experts, the names of a plain model.
-    _, merged = checkpoint.read_model(f"{model_dir}-merged")
+    _, merged = model_format.read_model(f"{model_dir}-merged")
     union = {**outs[0]["merged"], **outs[1]["merged"]}
     assert set(merged) == set(weights) and set(union) >= set(merged)
     assert all(torch.equal(merged[n], union[n]) for n in merged)

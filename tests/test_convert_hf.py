@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers import ROOT
-from megatron_longstraw import checkpoint
+from megatron_longstraw import model_format
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
@@ -81,11 +81,11 @@ def _our_model(model_dir, family: str = "glm52"):
     """The converted directory loaded into this package's model of `family` (fp64)."""
     from megatron_longstraw.families import FAMILIES
 
-    meta, _ = checkpoint.read_model(model_dir)
+    meta, _ = model_format.read_model(model_dir)
     spec = FAMILIES[family]
     model = spec.build(spec.config_class.from_dict(meta["model"]), F64, 1)
     before = {n: t.clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
-    checkpoint.load_model(model_dir, model, family=family)
+    model_format.load_model(model_dir, model, family=family)
     unchanged = [n for n, t in model.state_dict().items()
                  if torch.is_tensor(t) and torch.equal(t, before[n])]
     assert not unchanged, unchanged[:5]  # every weight came from the file
@@ -95,7 +95,7 @@ def _our_model(model_dir, family: str = "glm52"):
 def test_format_is_the_single_process_state_dict(converted):
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
-    meta, tensors = checkpoint.read_model(converted)
+    meta, tensors = model_format.read_model(converted)
     assert (meta["format"], meta["family"], meta["dtype"]) == ("longstraw-model", "glm52", "float64")
     assert meta["parallel"]["expert_parallel_size"] == 1
     model = build_glm52_model(GLM52Config.from_dict(meta["model"]), params_dtype=F64)
@@ -145,8 +145,8 @@ def test_back_to_hf_is_exact(hf_checkpoint, converted, tmp_path):
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     # The files: same names, dtypes and values as save_pretrained's.
-    ours = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(back))
-    theirs = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    ours = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
+    theirs = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
     assert set(ours) == set(theirs)
     assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in theirs)
     # transformers loads them into the same state dict, with the same config.
@@ -172,7 +172,7 @@ def test_unsupported_input_fails_clearly(hf_checkpoint, tmp_path):
 
     # One file with a tensor removed and an MTP layer added: MTP is skipped, the gap is reported.
     hf_dir, original = hf_checkpoint
-    files = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
     tensors = {n: files[n] for n in files}
     tensors["model.layers.8.eh_proj.weight"] = torch.zeros(4, 4)
     broken = tmp_path / "broken"
@@ -229,7 +229,7 @@ def qwen_converted(qwen_checkpoint, tmp_path_factory):
 def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
-    meta, tensors = checkpoint.read_model(qwen_converted)
+    meta, tensors = model_format.read_model(qwen_converted)
     assert (meta["format"], meta["family"], meta["dtype"]) == ("longstraw-model", "qwen36", "float64")
     assert meta["hf_config"]["model_type"] == "qwen3_5_text"
     model = build_qwen36_model(Qwen36Config.from_dict(meta["model"]), params_dtype=F64)
@@ -282,8 +282,8 @@ def test_qwen36_back_to_hf_is_exact(qwen_checkpoint, qwen_converted, tmp_path):
                             "--max-shard-size", "150KB"]) == 0
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    ours = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(back))
-    theirs = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    ours = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
+    theirs = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
     assert set(ours) == set(theirs)
     assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in theirs)
     loaded = Qwen3_5ForCausalLM.from_pretrained(back).state_dict()
@@ -310,7 +310,7 @@ def test_qwen36_vision_language_layout_converts_its_text_model(qwen_checkpoint, 
     model.language_model.*, config under text_config; the vision tower and the MTP head are
     skipped, the result equals the text checkpoint's, and --to-hf gives a text-only model."""
     hf_dir, _ = qwen_checkpoint
-    files = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
     tensors = {n.replace("model.", "model.language_model.", 1): files[n] for n in files}
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
@@ -321,20 +321,20 @@ def test_qwen36_vision_language_layout_converts_its_text_model(qwen_checkpoint, 
     out = tmp_path / "from_vlm"
     assert convert_hf.main(["--family", "qwen36", "--hf-dir", str(tmp_path / "vlm"),
                             "--out", str(out), "--dtype", "fp64"]) == 0
-    (meta, ours), (_, reference) = checkpoint.read_model(out), checkpoint.read_model(qwen_converted)
+    (meta, ours), (_, reference) = model_format.read_model(out), model_format.read_model(qwen_converted)
     assert meta["model"] == Qwen36Config(**QWEN_TINY).to_dict()
     assert set(ours) == set(reference) and all(torch.equal(ours[n], reference[n]) for n in ours)
     assert convert_hf.main(["--family", "qwen36", "--hf-dir", str(tmp_path / "back"), "--out",
                             str(out), "--to-hf"]) == 0
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["model_type"] == "qwen3_5_text" and back["architectures"] == ["Qwen3_5ForCausalLM"]
-    assert set(checkpoint.SafetensorsReader(convert_hf.hf_weight_files(tmp_path / "back"))) == set(files)
+    assert set(model_format.SafetensorsReader(convert_hf.hf_weight_files(tmp_path / "back"))) == set(files)
 
 
 def test_qwen36_bad_input_fails_clearly(qwen_checkpoint, converted, tmp_path):
     hf_dir, _ = qwen_checkpoint
     config = json.loads((hf_dir / "config.json").read_text())
-    files = checkpoint.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
     tensors = {n: files[n] for n in files}
 
     def fails(folder, match):

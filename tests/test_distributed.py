@@ -33,7 +33,6 @@ def _rel(a, b):
 
 def _check_layout(reference, outs, num_groups, world):
     ref = reference[num_groups]
-    cfg = reference["cfg"]
     worst = {"logp": 0.0, "grad": 0.0, "param": 0.0}
     for out in outs:
         run = out["runs"][0]

@@ -10,7 +10,7 @@ from megatron_longstraw.capture import capture_prompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
 from megatron_longstraw.memory import SavedTensorMeter
-from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
+from megatron_longstraw.models.common import decoder_groups, embed, run_group
 from megatron_longstraw.replay import score_member
 from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
 from megatron_longstraw.state import AttentionPass, attention_pass

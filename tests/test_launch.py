@@ -170,7 +170,7 @@ def _qwen36_model_format(folder: Path) -> dict:
     """A model-format directory (what tools/convert_hf.py writes) of the tiny Qwen3.6 with random
     weights unlike the launcher's seeded initialisation; returns its tensors. Needs the
     single_process fixture."""
-    from megatron_longstraw import checkpoint
+    from megatron_longstraw import model_format
     from megatron_longstraw.models.qwen36.config import Qwen36Config
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
@@ -178,8 +178,8 @@ def _qwen36_model_format(folder: Path) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    checkpoint.save_model(folder, model, family="qwen36")
-    return {n: t.clone() for n, t in checkpoint.read_model(folder)[1].items()}
+    model_format.save_model(folder, model, family="qwen36")
+    return {n: t.clone() for n, t in model_format.read_model(folder)[1].items()}
 
 
 @pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state, to build the init
@@ -212,7 +212,7 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     rank_state = torch.load(saved / "rank_00000.pt", weights_only=False)
     assert rank_state["extra"]["family"] == "qwen36"
     # lr 0: the step saved exactly the weights it started from, i.e. the model-format ones.
-    from megatron_longstraw.checkpoint import SafetensorsReader
+    from megatron_longstraw.model_format import SafetensorsReader
 
     trained = SafetensorsReader([saved / "model.safetensors"])
     assert set(trained) == set(weights)

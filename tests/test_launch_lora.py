@@ -145,7 +145,7 @@ def _qwen_linear_shapes():
 def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
     """Two steps of QLoRA with a KL penalty, a checkpoint per step, merged export; then a resume
     that continues from the adapters it saved; then resumes that must be refused."""
-    from megatron_longstraw import checkpoint
+    from megatron_longstraw import model_format
 
     ckpt, merged = tmp_path / "ckpt", tmp_path / "merged"
     flags = ["--longstraw-qlora", "--longstraw-lora-rank", str(RANK), "--longstraw-kl-coef",
@@ -188,12 +188,12 @@ def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["lora"]["base"]["source"] is None and meta["lora"]["base"]["seed"] == 1234
     assert [len(f) for f in meta["lora"]["base"]["fingerprints"]] == [32]   # one rank
-    tensors = checkpoint.SafetensorsReader([saved / "model.safetensors"])
+    tensors = model_format.SafetensorsReader([saved / "model.safetensors"])
     assert set(tensors) == adapters
     assert all(torch.equal(tensors[n], after[n]) for n in adapters)
 
     # Merged export = the adapted policy (dequantised NF4 base + scaling * B A), as a plain model.
-    checkpoint.load_model(merged, plain, family="qwen36")
+    model_format.load_model(merged, plain, family="qwen36")
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(0))
     # fp32: the merged weight rounds W + s B A once; the wrapper adds x W^T and s (x A^T) B^T.
     assert torch.allclose(_logits(plain, ids), _logits(model, ids), atol=1e-4, rtol=0)
@@ -230,7 +230,7 @@ def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
 def test_glm52_lora_step_without_expert_adapters(tmp_path, runs):
     """GLM-5.2 (MLA + DSA + MoE), plain LoRA from a model-format directory, experts excluded:
     one step changes the adapters only, and the checkpoint records the base's directory."""
-    from megatron_longstraw import checkpoint
+    from megatron_longstraw import model_format
     from megatron_longstraw.models.glm52.config import GLM52Config
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
@@ -239,7 +239,7 @@ def test_glm52_lora_step_without_expert_adapters(tmp_path, runs):
     with torch.no_grad():
         for p in source.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    checkpoint.save_model(init, source, family="glm52")
+    model_format.save_model(init, source, family="glm52")
     receipt = train.main(_flags(tmp_path, "--longstraw-lora", "--longstraw-lora-rank", str(RANK),
                                 "--longstraw-lora-exclude", "*.experts.*", "--load", str(init),
                                 "--save", str(tmp_path / "ckpt"), "--save-interval", "1",

@@ -15,7 +15,6 @@ from megatron_longstraw.memory import SavedTensorMeter
 from megatron_longstraw.models.qwen36.attention import blockwise_attention
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE, LongStrawGatedDeltaNet
-from megatron_longstraw.platform import manual_seed
 from megatron_longstraw.replay import score_member
 from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
 

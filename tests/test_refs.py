@@ -1,7 +1,5 @@
 """Reference kernels against naive dense computations written out in the test."""
 
-import math
-
 import pytest
 import torch
 

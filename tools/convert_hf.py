@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_longstraw import checkpoint  # noqa: E402
+from megatron_longstraw import model_format  # noqa: E402
 # hf.py's name-level mappings and value transforms (private there: their public functions need a
 # built model).
 from megatron_longstraw.models.glm52 import hf as glm52_hf  # noqa: E402
@@ -274,7 +274,7 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
         if dtype is None:
             raise ConversionError(f"{config_path} declares dtype {declared!r}; pass --dtype "
                                   "bf16|fp32|fp64.")
-    hf = checkpoint.SafetensorsReader(hf_weight_files(hf_dir))
+    hf = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     quantised = [n for n in hf if n.endswith("_scale_inv") or hf.dtype_name(n).startswith("F8")]
     if quantised:
         raise ConversionError(f"{hf_dir} is FP8 block-quantised ({len(quantised)} tensors such as "
@@ -306,7 +306,7 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
     if unknown:
         raise ConversionError(f"{hf_dir} has {len(unknown)} tensors with no place in the model, "
                               f"e.g. {[on_disk[n] for n in unknown[:5]]}.")
-    checkpoint.write_model(out, tensors, family.name, cfg.to_dict(), dtype,
+    model_format.write_model(out, tensors, family.name, cfg.to_dict(), dtype,
                            layout={"world_size": 1, "context_parallel_size": 1,
                                    "expert_parallel_size": 1, "data_parallel_size": 1},
                            source=str(hf_dir.resolve()),
@@ -333,11 +333,11 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
     """Model format -> Hugging Face directory of `family` (config.json + safetensors shards)."""
     import transformers
 
-    meta, tensors = checkpoint.read_model(model_dir)
+    meta, tensors = model_format.read_model(model_dir)
     if meta["family"] != family.name:
         raise ConversionError(f"{model_dir} holds a {meta['family']!r} model, not {family.name}.")
     cfg = family.config_class.from_dict(meta["model"])
-    dtype = dtype or {v: k for k, v in checkpoint.DTYPE_NAMES.items()}[meta["dtype"]]
+    dtype = dtype or {v: k for k, v in model_format.DTYPE_NAMES.items()}[meta["dtype"]]
     stored = meta.get("hf_config")
     text = family.text_config(stored) if stored is not None else None
     if text is not None and family.config_from_hf(text) == cfg:
@@ -393,11 +393,11 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
                 out[hf_name] = value
                 weight_map[hf_name] = file_name
                 total += out[hf_name].numel() * out[hf_name].element_size()
-            checkpoint.write_safetensors(tmp / file_name, out)
+            model_format.write_safetensors(tmp / file_name, out)
             del out
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            checkpoint.write_text_atomic(tmp / "model.safetensors.index.json",
+            model_format.write_text_atomic(tmp / "model.safetensors.index.json",
                                          json.dumps(index, indent=2, sort_keys=True) + "\n")
         config.save_pretrained(str(tmp))
         os.rename(tmp, hf_dir)
@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="megatron_longstraw model-format directory (written; read with --to-hf).")
     parser.add_argument("--to-hf", action="store_true",
                         help="Convert --out back to a Hugging Face checkpoint in --hf-dir.")
-    parser.add_argument("--dtype", choices=sorted(checkpoint.DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(model_format.DTYPES), default=None,
                         help="Weight dtype written (default: the source's; GLM-5.2 routers' "
                              "expert bias stays float32).")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     family = FAMILIES[args.family]
-    dtype = checkpoint.DTYPES[args.dtype] if args.dtype else None
+    dtype = model_format.DTYPES[args.dtype] if args.dtype else None
     try:
         if args.to_hf:
             summary = longstraw_to_hf(family, args.out, args.hf_dir, dtype, args.max_shard_size)
