@@ -1,25 +1,40 @@
 """Check the kernel backends on this machine, and run one LongStraw step of a reduced-depth,
-full-width GLM-5.2 on one GPU (under 8 minutes on an H100/H200).
+full-width GLM-5.2 and Qwen3.6 on one GPU (under 8 minutes on an H100/H200).
 
-    python tools/device_check.py [--kernels auto] [--budget-s 420] [--json out.json]
+    python tools/device_check.py [--kernels auto] [--budget-s 420] [--steps glm52,qwen36] [--json out.json]
 
-1. environment: torch, CUDA, GPU, and why each kernel backend is or is not usable here;
+1. environment: torch, CUDA, GPU, flash-linear-attention, and why each kernel backend is or is not
+   usable here;
 2. the Triton sparse-MLA kernels in Triton's CPU interpreter (tiny shape; runs everywhere);
-   without CUDA the script says so and stops here (exit 0 when that passed);
 3. parity: each usable backend against its reference on fresh random inputs at GLM-5.2 shapes
    (relative error against an fp64 reference, tolerance by dtype: kernels/parity.py);
 4. timing: each backend and its reference, median of repeats after warm-up;
-5. one LongStraw GRPO step (capture, scoring, replay with backward) of GLM-5.2 with 4 layers at the
+5. Qwen3.6 Gated DeltaNet: FLA's Triton `chunk_gated_delta_rule` (what Megatron's GatedDeltaNet
+   runs on a GPU) and Megatron's `torch_chunk_gated_delta_rule` in fp32 against the same algorithm
+   in fp64, at Qwen3.6 head shapes (48 value heads, 16 QK heads expanded to 48, d_k = d_v = 128):
+   output and final state from zero and from a nonzero initial state, and the split property
+   capture and replay rely on (tokens [0, n) then [n, N) from the carried state equal [0, N) in one
+   call); gradients; timing. Without CUDA or FLA only the torch rule runs, at a tiny shape;
+6. one LongStraw GRPO step (capture, scoring, replay with backward) of GLM-5.2 with 4 layers at the
    real widths (1 dense + 3 MoE layers, 16 routed experts) in bf16, at prompt lengths doubling from
-   --start-prompt-len until memory or the time budget runs out: peak torch.cuda.max_memory_allocated,
-   capture tokens/s, replay time per step.
-Each part reports its own failure with the traceback and the script goes on; the exit status is 1
-when any part failed.
+   --start-prompt-len until memory or its share of the time budget runs out: peak
+   torch.cuda.max_memory_allocated, capture tokens/s, replay time per step;
+7. the same for Qwen3.6 with 4 layers at the full.yaml widths (`G-G-G-*`: 3 Gated DeltaNet + 1
+   gated full attention), also reporting the fixed GDN state bytes against the per-token K/V page
+   bytes, and at the first prompt length the replay log-probs against a full-sequence forward.
+Without CUDA the script runs parts 1, 2 and the CPU part of 5, says what it did not run, and stops
+(exit 0 when those passed). Each part reports its own failure with the traceback and the script
+goes on; the exit status is 1 when any part failed. --budget-s bounds the whole run: the GDN part
+and the Qwen3.6 step are skipped when too little is left for them, and each model step gets a
+share of what is left (GLM-5.2 half, Qwen3.6 the rest) and stops doubling the prompt when the
+next length would not fit in it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import math
 import os
@@ -35,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from megatron_longstraw.kernels import parity, refs, select  # noqa: E402
 
@@ -94,12 +110,26 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, capability=f"SM{props.major}{props.minor}",
                     memory_gib=round(props.total_memory / 2**30, 1))
+    info["flash_linear_attention"] = _fla_version()
     for key, value in info.items():
         say(f"  {key}: {value}")
     info["backends"] = select.describe()
     for name, reason in info["backends"].items():
         say(f"  backend {name:9s} {'usable' if reason is None else 'not usable: ' + reason}")
     return info
+
+
+def _fla_version() -> str:
+    """flash-linear-attention's version, or why Megatron's GatedDeltaNet cannot use it here."""
+    try:
+        from megatron.core.ssm.gated_delta_net import common as gdn_common
+    except ImportError as exc:
+        return f"not checked: megatron-core does not import ({exc})"
+    if not gdn_common.HAVE_FLA:
+        return "not installed (pip install flash-linear-attention); Qwen3.6's GDN layers need it"
+    import fla
+
+    return getattr(fla, "__version__", "installed")
 
 
 # ---- 2. Triton interpreter (CPU) ---------------------------------------------------------------
@@ -257,19 +287,254 @@ def te_and_apex() -> dict:
     return out
 
 
-# ---- 5. one LongStraw step -----------------------------------------------------------------------
+# ---- 5. Qwen3.6 Gated DeltaNet kernel ----------------------------------------------------------
+
+QWEN_GDN = dict(num_key_heads=16, num_value_heads=48, head_dim=128)   # examples/qwen36/full.yaml
+TINY_GDN = dict(num_key_heads=2, num_value_heads=6, head_dim=16)      # CPU: the torch rule only
+
+# Tolerances on parity.relative_error (max|x - x_64| / max|x_64|) against the fp64 reference.
+# fp32 (Megatron's torch rule): same algorithm, fp32 rounding compounded over the N/64 chunk
+# steps of the state recurrence and the 64-step forward substitution inside each chunk. Measured
+# at the Qwen3.6 shape, 4096 tokens, on CPU: out <= 1.6e-6, state <= 8.2e-7 (a split inside a
+# chunk against one call included; a chunk-aligned split is bitwise equal to one call), so
+# parity.TOLERANCE[fp32] = 1e-5 holds with ~6x margin.
+# bf16 (FLA): inputs are exact, but FLA stores the WY factors w and u, the per-chunk states h and
+# v_new in the input dtype (chunk_gated_delta_rule_fwd_h: `h = k.new_empty(...)`) and rounds the
+# output: several bf16 roundings (2^-9 each) per element, more than attention's p @ V
+# (parity.TOLERANCE[bf16] = 2e-2); 5e-2. A kernel that ignores the initial state, swaps the
+# state's [d_k, d_v] layout or misapplies the decay is off by O(1).
+GDN_TOLERANCE = {torch.float32: parity.TOLERANCE[torch.float32], torch.bfloat16: 5e-2}
+# Gradients (q, k, v, g, beta, initial state). fp32: measured at the Qwen3.6 shape on CPU <= 1.3e-6,
+# so 1e-5 again. bf16 (FLA's backward): do, dh and dv are rounded to bf16 too, and dg sums
+# products over d_k x d_v; not yet measured on a GPU, so 2e-1 only catches a wrong gradient
+# (O(1)), and the measured values are recorded for a tighter bound.
+GDN_GRAD_TOLERANCE = {torch.float32: parity.TOLERANCE[torch.float32], torch.bfloat16: 2e-1}
+GDN_FIELDS = ("q", "k", "v", "g", "beta")
+# What the GPU part needs at most: FLA autotunes and compiles its Triton kernels at first use (a
+# cost paid once per process: the Qwen3.6 step runs the same kernels at the same head shapes).
+GDN_SECONDS = 120.0
+
+
+def gdn_case(num_tokens: int, num_key_heads: int, num_value_heads: int, head_dim: int,
+             dtype=torch.bfloat16, device="cpu", initial_state: bool = False,
+             seed: int = 0) -> dict:
+    """Random delta-rule inputs as Megatron's GatedDeltaNet passes them to its kernel
+    (`_prepare_input_for_gated_delta_rule`, `_compute_g_and_beta`):
+    q, k [1, N, H_v, d] in `dtype`: l2-normalised per QK head, then each QK head repeated for its
+    H_v / H_k value heads (repeat_interleave); v [1, N, H_v, d] in `dtype`; g [1, N, H_v] float32,
+    the log decay -A * softplus(alpha) with A log-uniform in [1e-3, 8] per head, from heads that
+    forget at once to heads that carry the state across thousands of tokens; beta [1, N, H_v]
+    sigmoid in `dtype`; initial_state [1, H_v, d, d] float32 (what capture stores; FLA returns its
+    final state in float32) or None."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
+    qk = randn(1, num_tokens, 2 * num_key_heads, head_dim)
+    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+    repeat = num_value_heads // num_key_heads
+    q, k = (x.repeat_interleave(repeat, dim=2) for x in qk.chunk(2, dim=2))
+    decay_rate = torch.empty(num_value_heads, device=device).uniform_(
+        math.log(1e-3), math.log(8.0), generator=gen).exp()
+    return {"q": q.to(dtype), "k": k.to(dtype),
+            "v": randn(1, num_tokens, num_value_heads, head_dim).to(dtype),
+            "g": -decay_rate * F.softplus(randn(1, num_tokens, num_value_heads)),
+            "beta": randn(1, num_tokens, num_value_heads).sigmoid().to(dtype),
+            "initial_state": (randn(1, num_value_heads, head_dim, head_dim) if initial_state
+                              else None)}
+
+
+def _gdn_tokens(case: dict, start: int, end: int | None, initial_state) -> dict:
+    return {**{name: case[name][:, start:end] for name in GDN_FIELDS},
+            "initial_state": initial_state}
+
+
+def _gdn_run(rule, case: dict, dtype=None):
+    """`rule` called as LongStraw's GDN calls Megatron's kernel (gdn.py `_mix`), on `case` as given
+    (dtype None) or with every input cast to `dtype`. Returns (out [1, N, H_v, d], final state)."""
+    cast = (lambda x: x) if dtype is None else (lambda x: None if x is None else x.to(dtype))
+    q, k, v, g, beta = (cast(case[name]) for name in GDN_FIELDS)
+    return rule(q, k, v, g=g, beta=beta, initial_state=cast(case["initial_state"]),
+                output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+
+def gdn_reference(q, k, v, g, beta, **kwargs):
+    """Megatron-Core's `torch_chunk_gated_delta_rule` with every step in float64 (platform.py's
+    copy, the one `platform.enable_fp64_gdn` installs)."""
+    from megatron_longstraw.platform import _chunk_gated_delta_rule_fp64
+
+    return _chunk_gated_delta_rule_fp64(q, k, v, g, beta, **kwargs)
+
+
+def gdn_errors(rule, case: dict, dtype=None, split_at=()) -> dict[str, dict[str, float]]:
+    """Relative errors of `rule` (the delta-rule contract of Megatron's `torch_chunk_gated_delta_rule`
+    and FLA's `chunk_gated_delta_rule`) on `case` (inputs cast to `dtype` unless None) against the
+    fp64 reference over all N tokens in one call: `one call` (out, final state), and for each n in
+    `split_at`, `split at n`: tokens [0, n), then [n, N) starting from the first call's final
+    state (capture carries the state block to block, replay starts from the captured one): the
+    joined out and the last state against the reference and against `rule`'s own one call."""
+    ref_out, ref_state = _gdn_run(gdn_reference, case, torch.float64)
+    out, state = _gdn_run(rule, case, dtype)
+    errors = {"one call": {"out": parity.relative_error(out, ref_out),
+                           "state": parity.relative_error(state, ref_state)}}
+    num_tokens = case["q"].shape[1]
+    for n in split_at:
+        if not 0 < n < num_tokens:
+            raise ValueError(f"split point {n} must lie inside the {num_tokens} tokens")
+        first_out, carried = _gdn_run(rule, _gdn_tokens(case, 0, n, case["initial_state"]), dtype)
+        second_out, final = _gdn_run(rule, _gdn_tokens(case, n, None, carried), dtype)
+        joined = torch.cat([first_out, second_out], dim=1)
+        errors[f"split at {n}"] = {
+            "out": parity.relative_error(joined, ref_out),
+            "state": parity.relative_error(final, ref_state),
+            "out vs one call": parity.relative_error(joined, out),
+            "state vs one call": parity.relative_error(final, state)}
+    return errors
+
+
+def gdn_grad_errors(rule, case: dict, dtype=None, seed: int = 1) -> dict[str, float]:
+    """Relative errors of the gradients of sum(out * grad_out) + sum(state * grad_state) w.r.t.
+    q, k, v, g, beta and the initial state (replay's backward; the initial state's gradient is the
+    exact prompt-gradient mode's) against the fp64 reference's."""
+    device = case["v"].device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    grad_out, grad_state = (torch.randn(x.shape, generator=gen, dtype=torch.float64, device=device)
+                            for x in (case["v"], case["initial_state"]))
+    names = GDN_FIELDS + ("initial_state",)
+    grads = []
+    for fn, cast in ((rule, dtype), (gdn_reference, torch.float64)):
+        leaves = {n: (case[n] if cast is None else case[n].to(cast)).detach().requires_grad_()
+                  for n in names}
+        out, state = _gdn_run(fn, leaves)
+        loss = (out.double() * grad_out).sum() + (state.double() * grad_state).sum()
+        grads.append(torch.autograd.grad(loss, [leaves[n] for n in names]))
+    return {f"d{n}": parity.relative_error(g, r) for n, g, r in zip(names, *grads)}
+
+
+def _gdn_checks(label: str, rule, case: dict, dtype, split_at, tolerance: float) -> dict:
+    out = {}
+    for name, errors in gdn_errors(rule, case, dtype, split_at).items():
+        out[name] = check(f"{label}: {name}", errors, tolerance)
+    return out
+
+
+def qwen36_gdn_parity(deadline: float | None = None) -> dict:
+    """FLA's chunk kernel (GPU) and Megatron's torch rule in fp32 against the fp64 reference at
+    Qwen3.6 shapes: from zero state, from a nonzero initial state, split runs; gradients; timing.
+    Without CUDA or FLA: the torch rule alone at a tiny shape (checks this harness), FLA skipped."""
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
+
+    if torch.cuda.is_available():
+        fla_reason = None if gdn_common.HAVE_FLA else _fla_version()
+        shape, num_tokens, device = QWEN_GDN, 4096, "cuda"
+        if deadline is not None and time.perf_counter() + GDN_SECONDS > deadline:
+            say(f"  skipped: fewer than {GDN_SECONDS:.0f} s of the time budget left")
+            return {"skipped": "time budget"}
+    else:
+        fla_reason = "no CUDA device (FLA's chunk kernel is Triton, GPU only)"
+        shape, num_tokens, device = TINY_GDN, 200, "cpu"
+    # One chunk-aligned split (FLA and the torch rule work in chunks of 64 tokens) and one inside
+    # a chunk: replay starts at any prefix length, capture's last block ends anywhere.
+    aligned = 64 * (num_tokens // 128)
+    split_at = (aligned, aligned + 37)
+    say(f"  {num_tokens} tokens, {shape['num_value_heads']} value heads ({shape['num_key_heads']} "
+        f"QK heads expanded), d_k = d_v = {shape['head_dim']}, on {device}; reference: Megatron's "
+        "torch_chunk_gated_delta_rule in fp64; splits at " + " and ".join(map(str, split_at)))
+    result = {"shape": dict(shape, num_tokens=num_tokens)}
+    cases = {"zero state": gdn_case(num_tokens, **shape, device=device),
+             "initial state": gdn_case(num_tokens, **shape, device=device, initial_state=True)}
+    torch_rule = gdn_common.torch_chunk_gated_delta_rule
+    for case_name, case in cases.items():
+        result[f"torch fp32, {case_name}"] = _gdn_checks(
+            f"torch rule fp32, {case_name}", torch_rule, case, torch.float32, split_at,
+            GDN_TOLERANCE[torch.float32])
+    result["torch fp32, gradients"] = check(
+        "torch rule fp32, initial state: gradients",
+        gdn_grad_errors(torch_rule, cases["initial state"], torch.float32),
+        GDN_GRAD_TOLERANCE[torch.float32])
+    if fla_reason is not None:
+        say(f"  skipped: FLA chunk_gated_delta_rule: {fla_reason}")
+        result["fla"] = {"skipped": fla_reason}
+        return result
+
+    fla_rule = gdn_common.chunk_gated_delta_rule
+    for case_name, case in cases.items():
+        result[f"fla bf16, {case_name}"] = _gdn_checks(
+            f"FLA chunk_gated_delta_rule bf16, {case_name}", fla_rule, case, None, split_at,
+            GDN_TOLERANCE[torch.bfloat16])
+    result["fla bf16, gradients"] = check(
+        "FLA chunk_gated_delta_rule bf16, initial state: gradients",
+        gdn_grad_errors(fla_rule, cases["initial state"]), GDN_GRAD_TOLERANCE[torch.bfloat16])
+    result["timing"] = _gdn_timing(fla_rule, torch_rule)
+    return result
+
+
+def _gdn_timing(fla_rule, torch_rule) -> dict:
+    out = {}
+    say("  Gated DeltaNet forward, 48 value heads x 128, from an initial state (median ms):")
+    for num_tokens in (4096, 65536):
+        case = gdn_case(num_tokens, **QWEN_GDN, device="cuda", initial_state=True)
+        rules = {"fla bf16": (fla_rule, None)}
+        if num_tokens == 4096:
+            rules["torch fp32"] = (torch_rule, torch.float32)
+        for name, (rule, dtype) in rules.items():
+            with torch.no_grad():
+                ms = median_ms(lambda: _gdn_run(rule, case, dtype), warmup=2, repeats=5)
+            out[f"{name}, {num_tokens} tokens"] = {"forward_ms": ms,
+                                                   "tokens_per_s": num_tokens / ms * 1e3}
+            say(f"    {name:10s} {num_tokens:6d} tokens: {ms:8.2f} ms "
+                f"({num_tokens / ms * 1e3:11.0f} tokens/s per layer)")
+    return out
+
+
+# ---- 6 + 7. one LongStraw step -------------------------------------------------------------------
+
+QWEN_FULL = REPO / "examples" / "qwen36" / "full.yaml"
+# Replay vs a full-sequence forward of the bf16 Qwen3.6 step, max |log-prob difference| in nats.
+# Both compute the same function with different blocking (FLA chunks restart at the replayed
+# prefix, capture's token blocks, attention's key blocks), so they differ by rounding alone:
+# every layer's output is rounded to bf16 (2^-9 relative) and the logits come out of the output
+# layer in bf16, where one ulp at |logit| in [2, 4) is 2^-6 = 1.6e-2. A few ulps of the largest
+# logits: 1e-1. For scale the check also reports how much dropping the prompt changes the
+# log-probs (a replay that lost the prompt state would be off by about that much).
+QWEN_LOGP_TOLERANCE = 1e-1
+QWEN_STEP_MIN_SECONDS = 60.0   # building the 4.1B-parameter model, the first step and its checks
+
 
 def _patch_final_norm_without_te() -> None:
-    """HybridStack builds its final norm with TENorm whatever the spec says; megatron_longstraw's
-    platform.apply() swaps in WrappedTorchNorm only when CUDA is absent. On a GPU without
-    TransformerEngine we do the same swap here (same parameter, same math) so the step can run."""
+    """HybridStack builds its final norm with TENorm whatever the spec says. megatron_longstraw's
+    platform.apply() swaps in WrappedTorchNorm wherever TransformerEngine is missing, and only
+    without CUDA (its entry 7) a builder that gives Qwen3.6 its zero-centred RMSNorm, which
+    WrappedTorchNorm refuses. On a GPU without TransformerEngine we install that builder here:
+    `ZeroCenteredRMSNorm` for zero-centred RMSNorm configs (Qwen3.6), WrappedTorchNorm otherwise
+    (GLM-5.2); same parameter (`final_norm.weight`), same math as TENorm."""
     if select.unusable_reason("te") is None:
         return
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    hybrid_block.TENorm = WrappedTorchNorm
-    say("  note: TransformerEngine missing; HybridStack's final TENorm replaced by WrappedTorchNorm")
+    from megatron_longstraw import platform
+    from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
+
+    platform.apply()  # first: its own swap (once per process) must not replace this one later
+
+    def final_norm(config, hidden_size, eps=1e-5, **kwargs):
+        if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
+            return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
+        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+
+    hybrid_block.TENorm = final_norm
+    say("  note: TransformerEngine missing; HybridStack's final TENorm replaced by WrappedTorchNorm "
+        "(zero-centred RMSNorm for Qwen3.6)")
+
+
+def _build_on_gpu(build):
+    """build(**overrides) -> model on the GPU, initialised there directly (CPU initialisation of
+    billions of parameters is slow); on the CPU if that fails."""
+    try:
+        model = build(use_cpu_initialization=False)
+    except Exception:  # noqa: BLE001
+        say("  GPU initialisation failed; building on the CPU:\n" + traceback.format_exc())
+        model = build()
+    return model.cuda()
 
 
 def _build_model():
@@ -280,12 +545,7 @@ def _build_model():
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
     _patch_final_norm_without_te()
     cfg = GLM52Config(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16)
-    try:  # initialise on the GPU directly (CPU initialisation of ~4.6B parameters is slow)
-        model = build_glm52_model(cfg, params_dtype=torch.bfloat16, use_cpu_initialization=False)
-    except Exception:  # noqa: BLE001
-        say("  GPU initialisation failed; building on the CPU:\n" + traceback.format_exc())
-        model = build_glm52_model(cfg, params_dtype=torch.bfloat16)
-    model = model.cuda()
+    model = _build_on_gpu(lambda **kw: build_glm52_model(cfg, params_dtype=torch.bfloat16, **kw))
     num_params = sum(p.numel() for p in model.parameters())
     say(f"  GLM-5.2, {cfg.num_hidden_layers} layers ({cfg.hybrid_layer_pattern()}), hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts: "
@@ -303,7 +563,71 @@ def _group(cfg, prompt_len: int, response_len: int, seed: int):
     return group
 
 
-def model_step(args) -> dict:
+def share_of_budget(args, fraction: float) -> float:
+    """A deadline (time.perf_counter()) `fraction` of the way from now to the end of --budget-s."""
+    now = time.perf_counter()
+    return now + fraction * max(0.0, START + args.budget_s - now)
+
+
+def _prompt_sweep(model, cfg, ls, args, deadline: float, out: dict, on_first_step=None) -> None:
+    """One LongStraw step per prompt length, doubling from --start-prompt-len until memory,
+    --max-prompt-len or `deadline` (time.perf_counter()) runs out; per step its peak
+    torch.cuda.max_memory_allocated, phase times and page bytes go to out["steps"].
+    `on_first_step(result, group)` runs after the first step (checks at the smallest length)."""
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    prompt_len = args.start_prompt_len
+    while prompt_len <= args.max_prompt_len:
+        now = time.perf_counter()
+        last = out["steps"][-1]["step_seconds"] if out["steps"] else None
+        # Capture is linear in P, attention (GLM-5.2's indexer top-k, Qwen3.6's full attention)
+        # quadratic: a doubling costs <= 4x.
+        if now >= deadline or (last is not None and now + 4 * last > deadline):
+            say(f"  stopping before P = {prompt_len}: this step's share of the time budget "
+                f"({args.budget_s:.0f} s in all) would run out")
+            out["stopped"] = "time budget"
+            break
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        group = _group(cfg, prompt_len, args.response_len, seed=prompt_len)
+        try:
+            t0 = time.perf_counter()
+            result = forward_backward_longstraw(model, group, ls)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        except torch.cuda.OutOfMemoryError:
+            say(f"  P = {prompt_len}: out of memory; the longest prompt that fit is the previous one")
+            out["stopped"] = f"out of memory at P = {prompt_len}"
+            del group
+            break
+        phases = result.phase_seconds
+        fixed = sum(n for k, n in result.page_bytes_by_kind.items() if k in result.fixed_page_kinds)
+        step = {"prompt_len": prompt_len, "step_seconds": seconds,
+                "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "capture_tokens_per_s": (prompt_len - 1) / max(phases.get("capture", math.nan), 1e-9),
+                "capture_s": phases.get("capture"), "scoring_s": phases.get("scoring"),
+                "replay_s": phases.get("replay"), "page_gib": result.page_bytes / 2**30,
+                "page_bytes_by_kind": result.page_bytes_by_kind, "fixed_page_bytes": fixed,
+                "loss": result.loss, "response_lens": [int(r.numel()) for r in group.response_ids]}
+        out["steps"].append(step)
+        fixed_note = (f" | fixed state {fixed / 2**20:.1f} MiB + per-token pages "
+                      f"{(result.page_bytes - fixed) / 2**30:.3f} GiB" if fixed else "")
+        say(f"  P = {prompt_len:8d}: step {seconds:7.1f} s | capture {step['capture_s']:6.1f} s "
+            f"({step['capture_tokens_per_s']:9.0f} tok/s) | scoring {step['scoring_s']:5.1f} s | "
+            f"replay {step['replay_s']:5.1f} s | max_memory_allocated "
+            f"{step['max_memory_allocated_gib']:6.1f} GiB | pages {step['page_gib']:.2f} GiB (host)"
+            + fixed_note)
+        if on_first_step is not None and len(out["steps"]) == 1:
+            on_first_step(result, group)
+        prompt_len *= 2
+    if out["steps"]:
+        out["longest_prompt"] = out["steps"][-1]["prompt_len"]
+        say(f"  longest prompt run: {out['longest_prompt']} tokens "
+            f"({out.get('stopped', 'reached --max-prompt-len')})")
+
+
+def model_step(args, deadline: float) -> dict:
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.schedule import forward_backward_longstraw
 
@@ -328,76 +652,179 @@ def model_step(args) -> dict:
         RESULTS["failures"].append("model step: kernels vs ref")
         say("FAILED: kernels vs ref log-probs\n" + traceback.format_exc())
 
-    prompt_len = args.start_prompt_len
-    while prompt_len <= args.max_prompt_len:
-        elapsed = time.perf_counter() - START
-        last = out["steps"][-1]["step_seconds"] if out["steps"] else None
-        # Capture is linear in P, the indexer's causal top-k quadratic: a doubling costs <= 4x.
-        if last is not None and elapsed + 4 * last > args.budget_s:
-            say(f"  stopping before P = {prompt_len}: the time budget ({args.budget_s} s) would run out")
-            out["stopped"] = "time budget"
-            break
-        model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        group = _group(cfg, prompt_len, args.response_len, seed=prompt_len)
-        try:
-            t0 = time.perf_counter()
-            result = forward_backward_longstraw(model, group, ls)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-        except torch.cuda.OutOfMemoryError:
-            say(f"  P = {prompt_len}: out of memory; the longest prompt that fit is the previous one")
-            out["stopped"] = f"out of memory at P = {prompt_len}"
-            del group
-            break
-        phases = result.phase_seconds
-        step = {"prompt_len": prompt_len, "step_seconds": seconds,
-                "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "capture_tokens_per_s": (prompt_len - 1) / max(phases.get("capture", math.nan), 1e-9),
-                "capture_s": phases.get("capture"), "scoring_s": phases.get("scoring"),
-                "replay_s": phases.get("replay"), "page_gib": result.page_bytes / 2**30,
-                "loss": result.loss, "response_lens": [int(r.numel()) for r in group.response_ids]}
-        out["steps"].append(step)
-        say(f"  P = {prompt_len:8d}: step {seconds:7.1f} s | capture {step['capture_s']:6.1f} s "
-            f"({step['capture_tokens_per_s']:9.0f} tok/s) | scoring {step['scoring_s']:5.1f} s | "
-            f"replay {step['replay_s']:5.1f} s | max_memory_allocated "
-            f"{step['max_memory_allocated_gib']:6.1f} GiB | pages {step['page_gib']:.2f} GiB (host)")
-        prompt_len *= 2
-    if out["steps"]:
-        out["longest_prompt"] = out["steps"][-1]["prompt_len"]
-        say(f"  longest prompt run: {out['longest_prompt']} tokens "
-            f"({out.get('stopped', 'reached --max-prompt-len')})")
+    _prompt_sweep(model, cfg, ls, args, deadline, out)
     return out
+
+
+# Qwen3.6 ------------------------------------------------------------------------------------------
+
+def _build_qwen36(args):
+    """Qwen3.6 with 4 decoder layers (`G-G-G-*`) at the full.yaml widths, bf16, on the GPU, with
+    the dense backend of --kernels, and slow GDN decays."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.models.qwen36.config import Qwen36Config
+    from megatron_longstraw.models.qwen36.model import build_qwen36_model
+
+    parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
+    _patch_final_norm_without_te()
+    cfg = dataclasses.replace(Qwen36Config.from_yaml(QWEN_FULL), num_hidden_layers=4)
+    select.use(args.kernels)
+    backend = select.dense_spec_provider()
+
+    def build(backend):
+        return _build_on_gpu(lambda **kw: build_qwen36_model(
+            cfg, params_dtype=torch.bfloat16, backend=backend, **kw))
+
+    try:
+        model = build(backend)
+    except Exception:  # noqa: BLE001
+        if backend is None:
+            raise
+        RESULTS["failures"].append("qwen36 build with dense=te")
+        say("FAILED: Qwen3.6 with TransformerEngine's linear layers; building with dense=ref\n"
+            + traceback.format_exc())
+        model = build(None)
+    # Megatron initialises A in [1, 16]: every head forgets within a few tokens, so the GDN state
+    # would carry almost nothing from the prompt into the responses. A in [0.02, 0.5] (as
+    # tests/helpers.build_tiny_qwen) keeps it carrying.
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.02, 0.5, generator=gen).log())
+    num_params = sum(p.numel() for p in model.parameters())
+    say(f"  Qwen3.6, {cfg.num_hidden_layers} layers ({cfg.hybrid_layer_pattern()}), hidden "
+        f"{cfg.hidden_size}, GDN {cfg.linear_num_value_heads} value / {cfg.linear_num_key_heads} "
+        f"QK heads x {cfg.linear_key_head_dim}, attention {cfg.num_attention_heads} / "
+        f"{cfg.num_key_value_heads} heads x {cfg.head_dim}: {num_params / 1e9:.2f}B parameters, "
+        f"bf16, dense={select.choices()['dense']}")
+    num_full = cfg.num_full_attention_layers()
+    num_gdn = cfg.num_hidden_layers - num_full
+    say(f"  captured state per prompt: GDN {num_gdn * cfg.gdn_state_bytes() / 2**20:.1f} MiB "
+        f"({num_gdn} layers, fixed) + K/V {cfg.page_bytes_per_token() / 2**10:.0f} KiB per token "
+        f"({num_full} layer, bf16)")
+    return cfg, model
+
+
+def _full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """Log-probs [R] of `response` after `prompt` from one plain forward of [prompt; response]
+    (no LongStraw pass: GDN from zero state in one kernel call, attention over the whole
+    sequence), as tests/helpers.full_sequence_logprobs; only the response rows are normalised."""
+    ids = torch.cat([prompt, response])
+    with torch.no_grad():
+        logits = model(ids[None], None, None)[0]                        # [S, V]
+    start = prompt.numel() - 1
+    rows = logits[start:start + response.numel()].float()
+    return torch.log_softmax(rows, dim=-1).gather(-1, response[:, None]).squeeze(-1)
+
+
+def _replay_vs_full_sequence(model, result, group, out: dict) -> None:
+    """Replay (and scoring) log-probs of the step against a full-sequence forward per member."""
+    diffs = {"replay": 0.0, "scoring": 0.0}
+    prompt_effect = 0.0
+    for i, response in enumerate(group.response_ids):
+        full = _full_sequence_logprobs(model, group.prompt_ids, response)
+        for name, logp in (("replay", result.logps[i]), ("scoring", result.logps_old[i])):
+            diffs[name] = max(diffs[name],
+                              (logp.detach().to(full) - full).abs().max().item())
+        alone = _full_sequence_logprobs(model, group.prompt_ids[-1:], response)
+        prompt_effect = max(prompt_effect, (alone - full).abs().max().item())
+    out["logps_vs_full_sequence"] = check(
+        f"qwen36 log-probs vs a full-sequence forward, P = {group.prompt_ids.numel()} (bf16, "
+        "max |diff| in nats)", diffs, QWEN_LOGP_TOLERANCE)
+    out["logps_vs_full_sequence"]["prompt_effect"] = prompt_effect
+    say(f"    for scale: dropping the prompt changes the log-probs by up to {prompt_effect:.3e}"
+        + ("" if prompt_effect > QWEN_LOGP_TOLERANCE else "; NOTE: no more than the tolerance, so "
+           "this check cannot tell a lost prompt state from rounding"))
+
+
+def qwen36_step(args, deadline: float) -> dict:
+    """One LongStraw GRPO step of a 4-layer, full-width Qwen3.6 at doubling prompt lengths."""
+    if not torch.cuda.is_available():
+        say("  skipped: no CUDA device")
+        return {"skipped": "no CUDA device"}
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
+
+    if not gdn_common.HAVE_FLA:
+        reason = f"flash-linear-attention {_fla_version()}"
+        say(f"  skipped: {reason}")
+        return {"skipped": reason}
+    if deadline - time.perf_counter() < QWEN_STEP_MIN_SECONDS:
+        say(f"  skipped: fewer than {QWEN_STEP_MIN_SECONDS:.0f} s of the time budget left")
+        return {"skipped": "time budget"}
+    from megatron_longstraw.config import LongStrawConfig
+
+    gc.collect()                  # the GLM-5.2 model of the previous section
+    torch.cuda.empty_cache()
+    cfg, model = _build_qwen36(args)
+    ls = dataclasses.replace(LongStrawConfig.from_yaml(QWEN_FULL), group_size=2,
+                             max_response_len=args.response_len, kernels=args.kernels,
+                             offload_pages=True)
+    say(f"  blocks from full.yaml: token {ls.token_block}, query {ls.query_block}, key "
+        f"{ls.key_block}; deadline in {deadline - time.perf_counter():.0f} s")
+    out = {"kernels": args.kernels, "steps": []}
+
+    def first_step(result, group):
+        try:
+            _replay_vs_full_sequence(model, result, group, out)
+        except Exception:  # noqa: BLE001
+            RESULTS["failures"].append("qwen36 log-probs vs full sequence")
+            say("FAILED: qwen36 log-probs vs full sequence\n" + traceback.format_exc())
+
+    _prompt_sweep(model, cfg, ls, args, deadline, out, on_first_step=first_step)
+    if out["steps"]:
+        fixed = {s["prompt_len"]: s["fixed_page_bytes"] for s in out["steps"]}
+        out["gdn_state_fixed"] = len(set(fixed.values())) == 1
+        say(f"  GDN state bytes per prompt length: {fixed} "
+            f"({'fixed' if out['gdn_state_fixed'] else 'NOT fixed'})")
+        if not out["gdn_state_fixed"]:
+            RESULTS["failures"].append("qwen36 GDN state not fixed-size")
+    return out
+
+
+STEPS = ("glm52", "qwen36")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default="auto", help="--longstraw-kernels spec for the step")
+    parser.add_argument("--kernels", default="auto", help="--longstraw-kernels spec for the steps")
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="Wall-clock budget for the whole script (stops growing the prompt)")
+                        help="Wall-clock budget for the whole script (shared by the model steps, "
+                             "which stop growing the prompt when their share runs out)")
     parser.add_argument("--start-prompt-len", type=int, default=8192)
     parser.add_argument("--max-prompt-len", type=int, default=1 << 20)
     parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"Comma-separated model steps to run, from {', '.join(STEPS)}")
     parser.add_argument("--skip-step", action="store_true", help="Kernel checks only")
     parser.add_argument("--json", type=str, default=None, help="Write the results here")
     args = parser.parse_args(argv)
+    steps = [] if args.skip_step else [s for s in args.steps.split(",") if s]
+    if set(steps) - set(STEPS):
+        parser.error(f"--steps {args.steps}: choose from {', '.join(STEPS)}")
 
     run_section("environment", environment)
     run_section("triton sparse MLA in the CPU interpreter", triton_interpreter)
-    if not torch.cuda.is_available():
-        say("\nNo CUDA device here: the GPU parity checks, the timings and the model step were NOT "
-            "run. Only the CPU-checkable part (the Triton interpreter check above) ran.")
-        RESULTS["gpu"] = False
-    else:
-        RESULTS["gpu"] = True
+    RESULTS["gpu"] = torch.cuda.is_available()
+    if RESULTS["gpu"]:
         torch.manual_seed(0)
         run_section("sparse MLA parity (GPU)", sparse_mla_parity)
         run_section("sparse MLA timing (GPU)", sparse_mla_timing)
         run_section("indexer parity and timing (GPU)", indexer_parity_and_timing)
         run_section("TransformerEngine, apex, DeepEP", te_and_apex)
-        if not args.skip_step:
-            run_section("LongStraw step, GLM-5.2 4 layers full width", lambda: model_step(args))
+    run_section("qwen36 GDN kernel parity",
+                lambda: qwen36_gdn_parity(deadline=START + args.budget_s))
+    # Each model step gets an equal share of what is left when it starts (GLM-5.2 half of it,
+    # Qwen3.6 all that remains after), and stops doubling the prompt before its share runs out.
+    if "glm52" in steps and RESULTS["gpu"]:
+        run_section("LongStraw step, GLM-5.2 4 layers full width",
+                    lambda: model_step(args, share_of_budget(args, 1 / len(steps))))
+    if "qwen36" in steps:
+        run_section("qwen36 step", lambda: qwen36_step(args, share_of_budget(args, 1.0)))
+    if not RESULTS["gpu"]:
+        say("\nNo CUDA device here: the GPU parity checks, the timings, FLA's GDN kernel and the "
+            "model steps were NOT run. Only the CPU-checkable parts ran: the Triton interpreter "
+            "check and the GDN checks of Megatron's torch rule at a tiny shape.")
     RESULTS["seconds"] = time.perf_counter() - START
     say(f"\nfailures: {RESULTS['failures'] or 'none'}; total {RESULTS['seconds']:.0f} s")
     if args.json:
