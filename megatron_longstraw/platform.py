@@ -320,7 +320,7 @@ def _apply_without_transformer_engine() -> None:
 
     3. HybridStack.__init__ builds its final norm with TENorm unconditionally. Why: TENorm needs
        TransformerEngine. Unchanged: WrappedTorchNorm builds torch's RMSNorm with the same eps and
-       the same parameter name (`final_norm.weight`).
+       the same parameter name (`final_norm.weight`). (7: the zero-centred variant, below.)
     """
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
@@ -329,7 +329,20 @@ def _apply_without_transformer_engine() -> None:
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    hybrid_block.TENorm = WrappedTorchNorm
+    # 7. The same final norm for models with `layernorm_zero_centered_gamma` (Qwen3.5/3.6:
+    #    y = x / rms(x) * (1 + weight)). Why: WrappedTorchNorm asserts the flag is off (torch's
+    #    RMSNorm has no zero-centred gain), while TENorm supports it. Unchanged: the local
+    #    `ZeroCenteredRMSNorm` (models/qwen36/spec.py) computes TE's zero-centred RMSNorm formula
+    #    with the same eps and parameter name (`final_norm.weight`); models without the flag still
+    #    get WrappedTorchNorm. On a GPU without TE as on the CPU.
+    def final_norm(config, hidden_size, eps=1e-5, **kwargs):
+        if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
+            from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
+
+            return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
+        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+
+    hybrid_block.TENorm = final_norm
 
 
 def apply() -> None:
@@ -401,22 +414,3 @@ def apply() -> None:
     if gdn_common.HAVE_FLA:
         gdn_common.l2norm = _torch_l2norm
         gdn_module.chunk_gated_delta_rule = gdn_common.torch_chunk_gated_delta_rule
-
-    # 7. HybridStack.__init__'s final norm (TENorm, entry 3: WrappedTorchNorm) for models with
-    #    `layernorm_zero_centered_gamma` (Qwen3.5/3.6: y = x / rms(x) * (1 + weight)). Why:
-    #    WrappedTorchNorm asserts the flag is off (torch's RMSNorm has no zero-centred gain), while
-    #    TENorm supports it. Unchanged: the local `ZeroCenteredRMSNorm` (models/qwen36/spec.py)
-    #    computes TE's zero-centred RMSNorm formula with the same eps and parameter name
-    #    (`final_norm.weight`); models without the flag still get WrappedTorchNorm.
-    from megatron.core.models.hybrid import hybrid_block
-
-    plain_final_norm = hybrid_block.TENorm
-
-    def final_norm(config, hidden_size, eps=1e-5, **kwargs):
-        if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
-            from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
-
-            return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
-        return plain_final_norm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
-
-    hybrid_block.TENorm = final_norm

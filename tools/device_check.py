@@ -499,33 +499,6 @@ QWEN_LOGP_TOLERANCE = 1e-1
 QWEN_STEP_MIN_SECONDS = 60.0   # building the 4.1B-parameter model, the first step and its checks
 
 
-def _patch_final_norm_without_te() -> None:
-    """HybridStack builds its final norm with TENorm whatever the spec says. megatron_longstraw's
-    platform.apply() swaps in WrappedTorchNorm wherever TransformerEngine is missing, and only
-    without CUDA (its entry 7) a builder that gives Qwen3.6 its zero-centred RMSNorm, which
-    WrappedTorchNorm refuses. On a GPU without TransformerEngine we install that builder here:
-    `ZeroCenteredRMSNorm` for zero-centred RMSNorm configs (Qwen3.6), WrappedTorchNorm otherwise
-    (GLM-5.2); same parameter (`final_norm.weight`), same math as TENorm."""
-    if select.unusable_reason("te") is None:
-        return
-    from megatron.core.models.hybrid import hybrid_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_longstraw import platform
-    from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
-
-    platform.apply()  # first: its own swap (once per process) must not replace this one later
-
-    def final_norm(config, hidden_size, eps=1e-5, **kwargs):
-        if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
-            return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
-        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
-
-    hybrid_block.TENorm = final_norm
-    say("  note: TransformerEngine missing; HybridStack's final TENorm replaced by WrappedTorchNorm "
-        "(zero-centred RMSNorm for Qwen3.6)")
-
-
 def _build_on_gpu(build):
     """build(**overrides) -> model on the GPU, initialised there directly (CPU initialisation of
     billions of parameters is slow); on the CPU if that fails."""
@@ -543,7 +516,6 @@ def _build_model():
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
-    _patch_final_norm_without_te()
     cfg = GLM52Config(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16)
     model = _build_on_gpu(lambda **kw: build_glm52_model(cfg, params_dtype=torch.bfloat16, **kw))
     num_params = sum(p.numel() for p in model.parameters())
@@ -666,7 +638,6 @@ def _build_qwen36(args):
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
-    _patch_final_norm_without_te()
     cfg = dataclasses.replace(Qwen36Config.from_yaml(QWEN_FULL), num_hidden_layers=4)
     select.use(args.kernels)
     backend = select.dense_spec_provider()
