@@ -433,7 +433,7 @@ def test_cli_choices_accept_backends_and_part_specs():
     assert "flashy" not in KERNELS and "indexer=triton" not in KERNELS
 
 
-# ---- Qwen3.6 Gated DeltaNet: the parity harness of tools/device_check.py ------------------------
+# ---- Qwen3.6 Gated DeltaNet: the parity harness (kernels/parity.py, tools/device_check.py) --------
 # On a GPU the harness compares FLA's chunk kernel with the fp64 reference; here it runs with
 # Megatron's torch rule (fp32) on both sides, so the harness itself is checked on CPU.
 
@@ -449,24 +449,24 @@ def _device_check():
 
 def test_gdn_split_property_harness_with_the_torch_rule():
     """[0, n) then [n, N) from the carried state equals [0, N) in one call (fp32 torch rule vs the
-    fp64 reference, tolerance `GDN_TOLERANCE[fp32]`: measured ~1e-6, see device_check.py), at a
+    fp64 reference, tolerance `parity.GDN_TOLERANCE[fp32]`: measured ~1e-6, see parity.py), at a
     chunk-aligned and an unaligned split; and the check is not vacuous: a rule that drops the
     carried state passes the one-call check (zero initial state) but fails every split."""
     from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 
     dc = _device_check()
-    tol = dc.GDN_TOLERANCE[torch.float32]
+    tol = parity.GDN_TOLERANCE[torch.float32]
     for initial_state in (False, True):
-        case = dc.gdn_case(150, **dc.TINY_GDN, dtype=torch.float32, initial_state=initial_state)
-        errors = dc.gdn_errors(torch_chunk_gated_delta_rule, case, split_at=(64, 101))
+        case = parity.gdn_case(150, **dc.TINY_GDN, dtype=torch.float32, initial_state=initial_state)
+        errors = parity.gdn_errors(torch_chunk_gated_delta_rule, case, split_at=(64, 101))
         assert set(errors) == {"one call", "split at 64", "split at 101"}
         assert max(max(e.values()) for e in errors.values()) <= tol, errors
 
     def drops_state(*args, initial_state=None, **kwargs):
         return torch_chunk_gated_delta_rule(*args, initial_state=None, **kwargs)
 
-    case = dc.gdn_case(150, **dc.TINY_GDN, dtype=torch.float32)
-    broken = dc.gdn_errors(drops_state, case, split_at=(64, 101))
+    case = parity.gdn_case(150, **dc.TINY_GDN, dtype=torch.float32)
+    broken = parity.gdn_errors(drops_state, case, split_at=(64, 101))
     assert max(broken["one call"].values()) <= tol
     for split in ("split at 64", "split at 101"):
         assert broken[split]["out"] > 100 * tol and broken[split]["state"] > 100 * tol, broken

@@ -50,9 +50,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from megatron_longstraw.kernels import parity, refs, select  # noqa: E402
+from megatron_longstraw.kernels.parity import (  # noqa: E402
+    GDN_GRAD_TOLERANCE, GDN_TOLERANCE, gdn_case, gdn_errors, gdn_grad_errors, gdn_run,
+)
 
 RESULTS: dict = {"sections": {}, "failures": []}
 START = time.perf_counter()
@@ -292,121 +294,9 @@ def te_and_apex() -> dict:
 QWEN_GDN = dict(num_key_heads=16, num_value_heads=48, head_dim=128)   # examples/qwen36/full.yaml
 TINY_GDN = dict(num_key_heads=2, num_value_heads=6, head_dim=16)      # CPU: the torch rule only
 
-# Tolerances on parity.relative_error (max|x - x_64| / max|x_64|) against the fp64 reference.
-# fp32 (Megatron's torch rule): same algorithm, fp32 rounding compounded over the N/64 chunk
-# steps of the state recurrence and the 64-step forward substitution inside each chunk. Measured
-# at the Qwen3.6 shape, 4096 tokens, on CPU: out <= 1.6e-6, state <= 8.2e-7 (a split inside a
-# chunk against one call included; a chunk-aligned split is bitwise equal to one call), so
-# parity.TOLERANCE[fp32] = 1e-5 holds with ~6x margin.
-# bf16 (FLA): inputs are exact, but FLA stores the WY factors w and u, the per-chunk states h and
-# v_new in the input dtype (chunk_gated_delta_rule_fwd_h: `h = k.new_empty(...)`) and rounds the
-# output: several bf16 roundings (2^-9 each) per element, more than attention's p @ V
-# (parity.TOLERANCE[bf16] = 2e-2); 5e-2. A kernel that ignores the initial state, swaps the
-# state's [d_k, d_v] layout or misapplies the decay is off by O(1).
-GDN_TOLERANCE = {torch.float32: parity.TOLERANCE[torch.float32], torch.bfloat16: 5e-2}
-# Gradients (q, k, v, g, beta, initial state). fp32: measured at the Qwen3.6 shape on CPU <= 1.3e-6,
-# so 1e-5 again. bf16 (FLA's backward): do, dh and dv are rounded to bf16 too, and dg sums
-# products over d_k x d_v; not yet measured on a GPU, so 2e-1 only catches a wrong gradient
-# (O(1)), and the measured values are recorded for a tighter bound.
-GDN_GRAD_TOLERANCE = {torch.float32: parity.TOLERANCE[torch.float32], torch.bfloat16: 2e-1}
-GDN_FIELDS = ("q", "k", "v", "g", "beta")
 # What the GPU part needs at most: FLA autotunes and compiles its Triton kernels at first use (a
 # cost paid once per process: the Qwen3.6 step runs the same kernels at the same head shapes).
 GDN_SECONDS = 120.0
-
-
-def gdn_case(num_tokens: int, num_key_heads: int, num_value_heads: int, head_dim: int,
-             dtype=torch.bfloat16, device="cpu", initial_state: bool = False,
-             seed: int = 0) -> dict:
-    """Random delta-rule inputs as Megatron's GatedDeltaNet passes them to its kernel
-    (`_prepare_input_for_gated_delta_rule`, `_compute_g_and_beta`):
-    q, k [1, N, H_v, d] in `dtype`: l2-normalised per QK head, then each QK head repeated for its
-    H_v / H_k value heads (repeat_interleave); v [1, N, H_v, d] in `dtype`; g [1, N, H_v] float32,
-    the log decay -A * softplus(alpha) with A log-uniform in [1e-3, 8] per head, from heads that
-    forget at once to heads that carry the state across thousands of tokens; beta [1, N, H_v]
-    sigmoid in `dtype`; initial_state [1, H_v, d, d] float32 (what capture stores; FLA returns its
-    final state in float32) or None."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
-    qk = randn(1, num_tokens, 2 * num_key_heads, head_dim)
-    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
-    repeat = num_value_heads // num_key_heads
-    q, k = (x.repeat_interleave(repeat, dim=2) for x in qk.chunk(2, dim=2))
-    decay_rate = torch.empty(num_value_heads, device=device).uniform_(
-        math.log(1e-3), math.log(8.0), generator=gen).exp()
-    return {"q": q.to(dtype), "k": k.to(dtype),
-            "v": randn(1, num_tokens, num_value_heads, head_dim).to(dtype),
-            "g": -decay_rate * F.softplus(randn(1, num_tokens, num_value_heads)),
-            "beta": randn(1, num_tokens, num_value_heads).sigmoid().to(dtype),
-            "initial_state": (randn(1, num_value_heads, head_dim, head_dim) if initial_state
-                              else None)}
-
-
-def _gdn_tokens(case: dict, start: int, end: int | None, initial_state) -> dict:
-    return {**{name: case[name][:, start:end] for name in GDN_FIELDS},
-            "initial_state": initial_state}
-
-
-def _gdn_run(rule, case: dict, dtype=None):
-    """`rule` called as LongStraw's GDN calls Megatron's kernel (gdn.py `_mix`), on `case` as given
-    (dtype None) or with every input cast to `dtype`. Returns (out [1, N, H_v, d], final state)."""
-    cast = (lambda x: x) if dtype is None else (lambda x: None if x is None else x.to(dtype))
-    q, k, v, g, beta = (cast(case[name]) for name in GDN_FIELDS)
-    return rule(q, k, v, g=g, beta=beta, initial_state=cast(case["initial_state"]),
-                output_final_state=True, use_qk_l2norm_in_kernel=False)
-
-
-def gdn_reference(q, k, v, g, beta, **kwargs):
-    """Megatron-Core's `torch_chunk_gated_delta_rule` with every step in float64 (platform.py's
-    copy, the one `platform.enable_fp64_gdn` installs)."""
-    from megatron_longstraw.platform import _chunk_gated_delta_rule_fp64
-
-    return _chunk_gated_delta_rule_fp64(q, k, v, g, beta, **kwargs)
-
-
-def gdn_errors(rule, case: dict, dtype=None, split_at=()) -> dict[str, dict[str, float]]:
-    """Relative errors of `rule` (the delta-rule contract of Megatron's `torch_chunk_gated_delta_rule`
-    and FLA's `chunk_gated_delta_rule`) on `case` (inputs cast to `dtype` unless None) against the
-    fp64 reference over all N tokens in one call: `one call` (out, final state), and for each n in
-    `split_at`, `split at n`: tokens [0, n), then [n, N) starting from the first call's final
-    state (capture carries the state block to block, replay starts from the captured one): the
-    joined out and the last state against the reference and against `rule`'s own one call."""
-    ref_out, ref_state = _gdn_run(gdn_reference, case, torch.float64)
-    out, state = _gdn_run(rule, case, dtype)
-    errors = {"one call": {"out": parity.relative_error(out, ref_out),
-                           "state": parity.relative_error(state, ref_state)}}
-    num_tokens = case["q"].shape[1]
-    for n in split_at:
-        if not 0 < n < num_tokens:
-            raise ValueError(f"split point {n} must lie inside the {num_tokens} tokens")
-        first_out, carried = _gdn_run(rule, _gdn_tokens(case, 0, n, case["initial_state"]), dtype)
-        second_out, final = _gdn_run(rule, _gdn_tokens(case, n, None, carried), dtype)
-        joined = torch.cat([first_out, second_out], dim=1)
-        errors[f"split at {n}"] = {
-            "out": parity.relative_error(joined, ref_out),
-            "state": parity.relative_error(final, ref_state),
-            "out vs one call": parity.relative_error(joined, out),
-            "state vs one call": parity.relative_error(final, state)}
-    return errors
-
-
-def gdn_grad_errors(rule, case: dict, dtype=None, seed: int = 1) -> dict[str, float]:
-    """Relative errors of the gradients of sum(out * grad_out) + sum(state * grad_state) w.r.t.
-    q, k, v, g, beta and the initial state (replay's backward; the initial state's gradient is the
-    exact prompt-gradient mode's) against the fp64 reference's."""
-    device = case["v"].device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    grad_out, grad_state = (torch.randn(x.shape, generator=gen, dtype=torch.float64, device=device)
-                            for x in (case["v"], case["initial_state"]))
-    names = GDN_FIELDS + ("initial_state",)
-    grads = []
-    for fn, cast in ((rule, dtype), (gdn_reference, torch.float64)):
-        leaves = {n: (case[n] if cast is None else case[n].to(cast)).detach().requires_grad_()
-                  for n in names}
-        out, state = _gdn_run(fn, leaves)
-        loss = (out.double() * grad_out).sum() + (state.double() * grad_state).sum()
-        grads.append(torch.autograd.grad(loss, [leaves[n] for n in names]))
-    return {f"d{n}": parity.relative_error(g, r) for n, g, r in zip(names, *grads)}
 
 
 def _gdn_checks(label: str, rule, case: dict, dtype, split_at, tolerance: float) -> dict:
@@ -477,7 +367,7 @@ def _gdn_timing(fla_rule, torch_rule) -> dict:
             rules["torch fp32"] = (torch_rule, torch.float32)
         for name, (rule, dtype) in rules.items():
             with torch.no_grad():
-                ms = median_ms(lambda: _gdn_run(rule, case, dtype), warmup=2, repeats=5)
+                ms = median_ms(lambda: gdn_run(rule, case, dtype), warmup=2, repeats=5)
             out[f"{name}, {num_tokens} tokens"] = {"forward_ms": ms,
                                                    "tokens_per_s": num_tokens / ms * 1e3}
             say(f"    {name:10s} {num_tokens:6d} tokens: {ms:8.2f} ms "
