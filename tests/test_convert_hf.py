@@ -105,34 +105,42 @@ def test_format_is_the_single_process_state_dict(converted):
     assert tensors["decoder.layers.7.mlp.experts.local_experts.7.linear_fc1.weight"].dtype == F64
 
 
-def test_converted_model_matches_transformers(hf_checkpoint, converted, monkeypatch):
-    from transformers import GlmMoeDsaForCausalLM
-
+def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -> None:
+    """Our converted model against the transformers model it came from (fp64): the full-sequence
+    log-softmax over every position, and capture + replay of a response after a prompt."""
     from megatron_longstraw.capture import capture_prompt
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.replay import score_member
-
-    model = _our_model(converted)
-    reference = GlmMoeDsaForCausalLM.from_pretrained(
-        hf_checkpoint[0], attn_implementation="eager", experts_implementation="eager").to(F64).eval()
-    _upcast_reference(reference, monkeypatch, router_fp64=model.config.moe_router_dtype == "fp64")
+    from megatron_longstraw.state import AttentionPass, attention_pass
 
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, TINY["vocab_size"], (PROMPT_LEN + RESPONSE_LEN,), generator=gen)
+    ids = torch.randint(0, vocab_size, (PROMPT_LEN + RESPONSE_LEN,), generator=gen)
     prompt, response = ids[:PROMPT_LEN], ids[PROMPT_LEN:]
     rows = slice(PROMPT_LEN - 1, PROMPT_LEN + RESPONSE_LEN - 1)   # outputs scoring the response
     with torch.no_grad():
         ref_all = torch.log_softmax(reference(ids[None]).logits[0], -1)          # [S, V]
-        ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)        # [S, V]
+        with attention_pass(AttentionPass(mode="full", positions=torch.arange(ids.numel()),
+                                          token_block=40, query_block=24, key_block=32)):
+            ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)    # [S, V]
         ls = LongStrawConfig(group_size=2, query_block=29, key_block=37, token_block=50)
         captured = capture_prompt(model, prompt, ls)
         replayed, _ = score_member(model, captured, response, ls)                # [R]
     ref = ref_all[rows].gather(-1, response[:, None]).squeeze(-1)
     full_error = (ours_all - ref_all).abs().max().item()
     replay_error = (replayed - ref).abs().max().item()
-    print(f"HF fidelity (fp64): full-sequence max |d log_softmax| {full_error:.2e}, "
+    print(f"{label} HF fidelity (fp64): full-sequence max |d log_softmax| {full_error:.2e}, "
           f"capture+replay max |d logp| {replay_error:.2e}")
-    assert full_error <= TOL and replay_error <= TOL
+    assert full_error <= tolerance and replay_error <= tolerance
+
+
+def test_converted_model_matches_transformers(hf_checkpoint, converted, monkeypatch):
+    from transformers import GlmMoeDsaForCausalLM
+
+    model = _our_model(converted)
+    reference = GlmMoeDsaForCausalLM.from_pretrained(
+        hf_checkpoint[0], attn_implementation="eager", experts_implementation="eager").to(F64).eval()
+    _upcast_reference(reference, monkeypatch, router_fp64=model.config.moe_router_dtype == "fp64")
+    _fidelity(model, reference, TINY["vocab_size"], "GLM-5.2", TOL)
 
 
 def test_back_to_hf_is_exact(hf_checkpoint, converted, tmp_path):
@@ -242,34 +250,11 @@ def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
 def test_qwen36_converted_model_matches_transformers(qwen_checkpoint, qwen_converted, monkeypatch):
     from transformers import Qwen3_5ForCausalLM
 
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.replay import score_member
-    from megatron_longstraw.state import AttentionPass, attention_pass
-
     model = _our_model(qwen_converted, "qwen36")
     reference = Qwen3_5ForCausalLM.from_pretrained(
         qwen_checkpoint[0], attn_implementation="eager").to(F64).eval()
     _upcast_qwen_reference(reference, monkeypatch)
-
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, QWEN_TINY["vocab_size"], (PROMPT_LEN + RESPONSE_LEN,), generator=gen)
-    prompt, response = ids[:PROMPT_LEN], ids[PROMPT_LEN:]
-    rows = slice(PROMPT_LEN - 1, PROMPT_LEN + RESPONSE_LEN - 1)   # outputs scoring the response
-    with torch.no_grad():
-        ref_all = torch.log_softmax(reference(ids[None]).logits[0], -1)          # [S, V]
-        with attention_pass(AttentionPass(mode="full", positions=torch.arange(ids.numel()),
-                                          token_block=40, query_block=24, key_block=32)):
-            ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)    # [S, V]
-        ls = LongStrawConfig(group_size=2, query_block=29, key_block=37, token_block=50)
-        captured = capture_prompt(model, prompt, ls)
-        replayed, _ = score_member(model, captured, response, ls)                # [R]
-    ref = ref_all[rows].gather(-1, response[:, None]).squeeze(-1)
-    full_error = (ours_all - ref_all).abs().max().item()
-    replay_error = (replayed - ref).abs().max().item()
-    print(f"Qwen3.6 HF fidelity (fp64): full-sequence max |d log_softmax| {full_error:.2e}, "
-          f"capture+replay max |d logp| {replay_error:.2e}")
-    assert full_error <= QWEN_TOL and replay_error <= QWEN_TOL
+    _fidelity(model, reference, QWEN_TINY["vocab_size"], "Qwen3.6", QWEN_TOL)
 
 
 def test_qwen36_back_to_hf_is_exact(qwen_checkpoint, qwen_converted, tmp_path):
