@@ -1,5 +1,5 @@
 """Per-rank device peak and host page bytes of a LongStraw GRPO step, and the largest prompt that fits
-(logic: megatron_longstraw/planner.py).
+(logic: megatron_longstraw/planner/).
 
     python tools/plan_memory.py --config examples/glm52/full.yaml --prompt-len 2.1M --group-size 8 \\
         --response-len 8192 --cp 32 --ep 32 --gpu H20 --trainable lora --json plan.json

@@ -1,0 +1,276 @@
+"""Memory planner: per-rank device peak and host page bytes of one LongStraw GRPO step, from a model
+config and a layout (DESIGN sections 2, 3 and 9), and the largest prompt that fits.
+
+Every figure is a formula over the shapes the code allocates, each naming the tensor (and file) it
+stands for. Three groups of figures are checked against the built models on CPU
+(tests/test_planner.py), for both families:
+
+- host pages: `host_page_bytes_per_rank(_logical)` equal `CapturedPrompt.pages.nbytes()` exactly
+  (allocated and logical; Qwen3.6's fixed GDN state and conv tail and its per-token K/V rows at two
+  prompt lengths, CP = 1 and, per rank, CP = 2);
+- replay activations: `glm52_replay_saved` and `qwen36_replay_saved` reproduce, tensor kind by
+  tensor kind, what autograd saves during replay as `memory.SavedTensorMeter` counts it (each saved
+  reference by its own bytes), with whole-layer checkpointing on and off: GLM-5.2 at CP = 1 (tests)
+  and CP = 2, 4 (tools/evidence.py, level 1); Qwen3.6 at CP = 1 in fp32 and bf16, and CP = 2;
+- parameter and LoRA-adapter counts equal the built model's (and `adapters.apply_lora`'s); the
+  full-size Qwen3.6 is built on the meta device and counted.
+
+The rest (capture and scoring scratch, MoE dispatch buffers, page window, backward transients, and
+for Qwen3.6 the GPU kernels' saved sets: FLA's delta rule and l2norm instead of the PyTorch ones
+the CPU runs) is analytic: read off the code, not measured on a GPU; the report labels each item so.
+
+A family is one function `(spec, prompt_len) -> Footprint` registered in `FAMILIES`: `glm52`
+against this package's GLM-5.2 model, `qwen36` against its Qwen3.6 model (models/qwen36).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+# The public names of the family modules and the vocabulary, importable from `planner`.
+from megatron_longstraw.planner.common import (
+    DTYPE_BYTES, Footprint, GPU_BYTES, GiB, Item, MiB, PageKind, ParamGroup, PlanSpec,
+    TRAINABLE, local_prompt_rows, lse_merge_saved, page_bytes, phase_bytes,
+)
+from megatron_longstraw.planner.glm52 import (
+    glm52, glm52_pages, glm52_params, glm52_replay_saved,
+)
+from megatron_longstraw.planner.qwen36 import (
+    GDN_CHUNK, fla_chunk_delta_rule_saved, qwen36, qwen36_pages, qwen36_params,
+    qwen36_replay_saved, torch_chunk_delta_rule_saved, zero_centred_norm_saved,
+)
+
+__all__ = [
+    "DTYPE_BYTES",
+    "FAMILIES",
+    "Footprint",
+    "GDN_CHUNK",
+    "GPU_BYTES",
+    "GiB",
+    "Item",
+    "MiB",
+    "PageKind",
+    "ParamGroup",
+    "Plan",
+    "PlanSpec",
+    "TRAINABLE",
+    "base_weight_bytes",
+    "fla_chunk_delta_rule_saved",
+    "format_plan",
+    "glm52",
+    "glm52_pages",
+    "glm52_params",
+    "glm52_replay_saved",
+    "local_prompt_rows",
+    "lse_merge_saved",
+    "page_bytes",
+    "phase_bytes",
+    "plan",
+    "qwen36",
+    "qwen36_pages",
+    "qwen36_params",
+    "qwen36_replay_saved",
+    "torch_chunk_delta_rule_saved",
+    "trainable_count",
+    "zero_centred_norm_saved",
+]
+
+FAMILIES: dict[str, Callable[[PlanSpec, int], Footprint]] = {"glm52": glm52, "qwen36": qwen36}
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+def trainable_count(spec: PlanSpec, params: list[ParamGroup]) -> tuple[float, float]:
+    """(dense, expert) trainable parameters held by one rank (experts: this rank's share)."""
+    if spec.trainable_params is not None:
+        return float(spec.trainable_params), 0.0
+    mode = spec.trainable
+    if mode == "lora":
+        count = lambda g: sum(spec.lora_rank * (i + o) for i, o in g.lora_shapes)
+        return (float(sum(count(g) for g in params if not g.expert)),
+                sum(count(g) for g in params if g.expert) / spec.ep if spec.lora_experts else 0.0)
+    pick = {"all": lambda g: True, "none": lambda g: False,
+            "non_expert": lambda g: not g.expert,
+            "attention": lambda g: g.kind == "attention",
+            "head": lambda g: g.kind == "head"}[mode]
+    dense = sum(g.count for g in params if pick(g) and not g.expert)
+    expert = sum(g.count for g in params if pick(g) and g.expert) / spec.ep
+    return float(dense), float(expert)
+
+
+@dataclass
+class Plan:
+    spec: PlanSpec
+    static: list[Item]
+    phases: dict[str, list[Item]]
+    phase_totals: dict[str, float]
+    device_peak_bytes_per_rank: float
+    peak_phase: str
+    page_bytes_per_token: float
+    host_page_bytes_per_rank: float
+    host_page_bytes_per_rank_logical: float
+    host_bytes_per_node: float
+    replay_saved: dict[str, float]
+    notes: list[str]
+    host_items: list[Item] = field(default_factory=list)
+    """Host bytes per rank beside the pages (Footprint.host)."""
+    max_prompt_len_device: int | None = None
+    max_prompt_len_host: int | None = None
+    max_response_len_device: int | None = None
+    """Longest response whose step fits the device at this prompt length."""
+
+    @property
+    def max_prompt_len(self) -> int | None:
+        vals = [self.max_prompt_len_device, self.max_prompt_len_host]
+        return None if None in vals else min(vals)
+
+    @property
+    def device_fits(self) -> bool:
+        return self.device_peak_bytes_per_rank <= self.spec.gpu_bytes - self.spec.device_reserve
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes_per_node <= self.spec.host_bytes
+
+    def to_dict(self) -> dict:
+        s = self.spec
+        return {
+            "family": s.family, "prompt_len": s.prompt_len, "group_size": s.group_size,
+            "response_len": s.response_len, "cp": s.cp, "ep": s.ep, "trainable": s.trainable,
+            "gpu_bytes": s.gpu_bytes, "device_reserve": s.device_reserve,
+            "host_bytes_per_node": s.host_bytes, "ranks_per_node": s.ranks_per_node,
+            "page_bytes_per_token": self.page_bytes_per_token,
+            "host_page_bytes_per_rank": self.host_page_bytes_per_rank,
+            "host_page_bytes_per_rank_logical": self.host_page_bytes_per_rank_logical,
+            "host_bytes_per_node_needed": self.host_bytes_per_node,
+            "host_items_per_rank": {i.name: i.bytes for i in self.host_items},
+            "device_peak_bytes_per_rank": self.device_peak_bytes_per_rank,
+            "peak_phase": self.peak_phase, "device_fits": self.device_fits,
+            "host_fits": self.host_fits,
+            "static": {i.name: i.bytes for i in self.static},
+            "phases": {p: {i.name: i.bytes for i in items} for p, items in self.phases.items()},
+            "phase_totals": self.phase_totals,
+            "replay_saved": self.replay_saved,
+            "max_prompt_len": self.max_prompt_len,
+            "max_prompt_len_device": self.max_prompt_len_device,
+            "max_prompt_len_host": self.max_prompt_len_host,
+            "max_response_len_device": self.max_response_len_device,
+            "notes": self.notes,
+        }
+
+
+def base_weight_bytes(spec: PlanSpec, params: list[ParamGroup]) -> float:
+    """One rank's base weights (routed experts / EP). NF4 (QLoRA, `adapters.apply_lora(...,
+    quantize_base=True)`) quantises only the linears an adapter wraps (the groups' lora_shapes,
+    routed experts with `lora_experts`); embedding, output layer, norms and the rest stay in the
+    activation dtype. Other dtypes apply to every parameter."""
+    share = lambda g: 1 / spec.ep if g.expert else 1
+    if spec.weight_bytes >= 1:
+        return sum(g.count * share(g) for g in params) * spec.weight_bytes
+    total = 0.0
+    for g in params:
+        quantised = sum(i * o for i, o in g.lora_shapes) if spec.lora_experts or not g.expert else 0
+        total += share(g) * (quantised * spec.weight_bytes + (g.count - quantised) * spec.act_bytes)
+    return total
+
+
+def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
+    fp = FAMILIES[spec.family](spec, prompt_len)
+    weights = base_weight_bytes(spec, fp.params)
+    dense, expert = trainable_count(spec, fp.params)
+    # Adapters (and a given trainable count: QLoRA) are fp32 parameters of their own: no master
+    # copy. Full fine-tuning of 16-bit weights keeps an fp32 master copy beside Adam's moments.
+    own = spec.trainable == "lora" or spec.trainable_params is not None
+    optimizer_bytes = 8 if own or spec.weight_bytes >= 4 else 12
+    shard = spec.cp if spec.shard_optimizer else 1     # distributed optimizer over DP x CP (DP = 1)
+    static = [
+        Item(f"base weights ({spec.weight_bytes:.4g} B/param"
+             + (f", adapted linears only, the rest {spec.act_bytes:.4g} B" if spec.weight_bytes < 1
+                else "") + f"; routed experts / EP={spec.ep})", weights),
+        Item("adapter weights (fp32)", 4 * (dense + expert) if own else 0.0),
+        Item("gradients (fp32 main_grad, trainable)", 4 * (dense + expert)),
+        Item(("optimizer (Adam m, v fp32)" if optimizer_bytes == 8 else "optimizer (fp32 master + "
+              "Adam m, v)") + (f"; dense sharded / {shard}" if shard > 1 else ""),
+             optimizer_bytes * (dense / shard + expert)),
+    ]
+    static_total = sum(i.bytes for i in static)
+    totals = {p: static_total + phase_bytes(items) for p, items in fp.phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    rows = local_prompt_rows(prompt_len, spec.cp)
+    logical, allocated = page_bytes(fp.pages, rows, spec.page_tokens)
+    copies = 2 if spec.kl else 1
+    per_token = sum(p.row_bytes * p.num_layers for p in fp.pages if p.sequence)
+    return Plan(spec=spec, static=static, phases=fp.phases, phase_totals=totals,
+                device_peak_bytes_per_rank=totals[peak_phase], peak_phase=peak_phase,
+                page_bytes_per_token=per_token,
+                host_page_bytes_per_rank=copies * allocated,
+                host_page_bytes_per_rank_logical=copies * logical,
+                host_bytes_per_node=spec.ranks_per_node
+                * (copies * allocated + sum(i.bytes for i in fp.host) + spec.host_reserve_per_rank),
+                replay_saved=fp.replay_saved, notes=fp.notes, host_items=fp.host)
+
+
+def _largest(fits: Callable[[int], bool], hi: int = 1 << 34, lo: int = 1) -> int | None:
+    """Largest x in [lo, hi] with fits(x) (fits is monotone decreasing in x); None if none."""
+    if not fits(lo):
+        return None
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan(spec: PlanSpec, search_max: bool = True) -> Plan:
+    """The plan at spec.prompt_len, with the largest prompt that fits the device and the host."""
+    result = _evaluate(spec, spec.prompt_len)
+    if search_max:
+        result.max_prompt_len_device = _largest(lambda p: _evaluate(spec, p).device_fits, lo=2)
+        result.max_prompt_len_host = _largest(lambda p: _evaluate(spec, p).host_fits, lo=2)
+        result.max_response_len_device = _largest(
+            lambda r: _evaluate(dataclasses.replace(spec, response_len=r), spec.prompt_len).device_fits,
+            hi=1 << 22)
+    return result
+
+
+def format_plan(p: Plan) -> str:
+    """A readable breakdown (GiB)."""
+    g = lambda x: f"{x / GiB:10.2f} GiB"
+    s = p.spec
+    lines = [f"LongStraw memory plan: {s.family}, P={s.prompt_len:,}, G={s.group_size}, "
+             f"R={s.response_len}, CP={s.cp}, EP={s.ep}, trainable="
+             + (f"{s.trainable_params:,} params (given)" if s.trainable_params is not None
+                else s.trainable + (f" (rank {s.lora_rank})" if s.trainable == "lora" else "")),
+             f"  page bytes per token (all layers)       {p.page_bytes_per_token:,.1f} B",
+             "  static (every phase)"]
+    lines += [f"    {g(i.bytes)}  {i.name}" for i in p.static]
+    for phase, items in p.phases.items():
+        lines.append(f"  {phase} (on top of static): total {g(p.phase_totals[phase]).strip()}")
+        lines += [f"    {g(i.bytes)}  {i.name}{f'  (one of: {i.group})' if i.group else ''}"
+                  f"{'  [checked on CPU]' if i.measured else ''}" for i in items if i.bytes]
+    usable = s.gpu_bytes - s.device_reserve
+    lines += [
+        f"  device peak per rank ({p.peak_phase}): {g(p.device_peak_bytes_per_rank).strip()} of "
+        f"{g(usable).strip()} usable ({g(s.gpu_bytes).strip()} - {g(s.device_reserve).strip()} reserve)"
+        f" -> {'fits' if p.device_fits else 'DOES NOT FIT'}",
+        f"  host pages per rank: {g(p.host_page_bytes_per_rank).strip()} allocated "
+        f"({g(p.host_page_bytes_per_rank_logical).strip()} logical, page_tokens={s.page_tokens})",
+        *[f"  host beside the pages per rank: {g(i.bytes).strip()}  {i.name}" for i in p.host_items],
+        f"  host per node ({s.ranks_per_node} ranks, + {g(s.host_reserve_per_rank).strip()} each): "
+        f"{g(p.host_bytes_per_node).strip()} of {g(s.host_bytes).strip()} -> "
+        f"{'fits' if p.host_fits else 'DOES NOT FIT'}",
+        f"  largest prompt: device {_fmt_len(p.max_prompt_len_device)}, host "
+        f"{_fmt_len(p.max_prompt_len_host)} -> {_fmt_len(p.max_prompt_len)}",
+        f"  longest response that fits the device at P={s.prompt_len:,}: "
+        f"{_fmt_len(p.max_response_len_device, 1)}",
+    ]
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def _fmt_len(n: int | None, smallest: int = 2) -> str:
+    return f"none (does not fit even at {smallest})" if n is None else f"{n:,}"

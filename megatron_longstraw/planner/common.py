@@ -1,0 +1,174 @@
+"""The planner's vocabulary: the request (`PlanSpec`), what a family contributes (`Footprint` of
+parameter groups, page kinds and per-phase items) and the helpers every family shares."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+
+GPU_BYTES = {  # total device memory as nvidia-smi reports it (MiB), per GPU kind
+    "H20": 97871 * MiB,
+    "H100": 81559 * MiB,
+    "H200": 143771 * MiB,
+}
+
+DTYPE_BYTES = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0,
+               # NF4 with double quantisation (adapters.nf4_nbytes): 4 bits, an 8-bit absmax per
+               # 64 values, an fp32 scale per 256 absmax values
+               "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
+
+
+@dataclass
+class PlanSpec:
+    """What the plan is for. Bytes per element are floats (fp8 rows carry a scale)."""
+
+    family: str
+    model: object
+    """The family's architecture config (GLM52Config, Qwen36Arch)."""
+    prompt_len: int
+    group_size: int
+    response_len: int
+    """Longest response R (the replayed branch is R tokens: the prompt's last token + R - 1)."""
+    cp: int = 1
+    ep: int = 1
+    weight_bytes: float = 2.0
+    act_bytes: float = 2.0
+    """Activations (the model's compute dtype)."""
+    latent_bytes: float = 2.0
+    """Per element of a latent / K/V page row."""
+    index_key_bytes: float = 1 + 4 / 128
+    """Per element of an index-key page row (fp8 + one fp32 scale per 128-value row)."""
+    trainable: str = "all"
+    """all | non_expert | attention | head | lora | none (see `trainable_count`)."""
+    lora_rank: int = 64
+    """adapters.LoRAConfig.rank; adapters are fp32 (adapters.py's default for 16-bit bases)."""
+    lora_experts: bool = False
+    """Adapters on the routed experts' linear_fc1/fc2 too (adapters.GLM52_TARGETS matches them
+    unless `exclude=("*.experts.*",)`); off: attention, dense MLP and shared-expert linears."""
+    trainable_params: int | None = None
+    """Override the trainable-parameter count (e.g. a published adapter size)."""
+    shard_optimizer: bool = False
+    """Megatron's distributed optimizer: fp32 master + Adam moments sharded over DP x CP."""
+    kl: bool = False
+    """A reference capture for the KL term doubles the pages."""
+    page_tokens: int = 65536
+    token_block: int = 16384
+    query_block: int = 256
+    key_block: int = 16384
+    gpu_bytes: int = GPU_BYTES["H20"]
+    device_reserve: int = 4 * GiB
+    """CUDA context, NCCL buffers, allocator slack (assumed)."""
+    host_bytes: int = 1024 * GiB
+    """Host memory per node."""
+    ranks_per_node: int = 8
+    host_reserve_per_rank: int = 4 * GiB
+    """Python, torch, CUDA host state per process (assumed)."""
+    moe_imbalance: float = 1.0
+    """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "group_size", "response_len", "cp", "ep", "page_tokens",
+                     "token_block", "query_block", "key_block", "ranks_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable must be one of {sorted(TRAINABLE)}, got {self.trainable!r}.")
+
+
+TRAINABLE = {"all", "non_expert", "attention", "head", "lora", "none"}
+
+
+@dataclass
+class ParamGroup:
+    name: str
+    count: int
+    """Parameters in the whole model (all experts)."""
+    expert: bool = False
+    """Routed-expert weights: split over EP."""
+    kind: str = "other"
+    """attention | indexer | mlp | experts | embedding | head | other"""
+    lora_shapes: list[tuple[int, int]] = field(default_factory=list)
+    """(in, out) of each linear a LoRA adapter attaches to (adapters.GLM52_TARGETS)."""
+
+
+@dataclass
+class PageKind:
+    name: str
+    row_bytes: float
+    """Bytes per token row (sequence kinds) or the whole state (fixed kinds)."""
+    num_layers: int
+    sequence: bool = True
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    measured: bool = False
+    """True where tests/test_planner.py checks the formula against a measurement."""
+    group: str = ""
+    """Items of one non-empty group are never alive together: the largest one counts."""
+
+
+def phase_bytes(items: list[Item]) -> float:
+    """Bytes at a phase's peak: every ungrouped item plus the largest item of each group."""
+    groups: dict[str, float] = {}
+    for i in items:
+        if i.group:
+            groups[i.group] = max(groups.get(i.group, 0.0), i.bytes)
+    return sum(i.bytes for i in items if not i.group) + sum(groups.values())
+
+
+@dataclass
+class Footprint:
+    """What a family contributes for one prompt length."""
+
+    params: list[ParamGroup]
+    pages: list[PageKind]
+    phases: dict[str, list[Item]]
+    """Phase -> the transient items alive at that phase's peak (on top of the static state)."""
+    replay_saved: dict[str, float]
+    """SavedTensorMeter-convention bytes of replay (see glm52_replay_saved)."""
+    notes: list[str] = field(default_factory=list)
+    host: list[Item] = field(default_factory=list)
+    """Host bytes per rank beside the pages (held from scoring to replay)."""
+
+
+# ---- shared helpers -----------------------------------------------------------------------------
+
+
+def local_prompt_rows(prompt_len: int, cp: int) -> int:
+    """Captured rows on the busiest rank: the prefix `prompt[:-1]` in Megatron's load-balanced
+    2*CP-chunk order (parallel.CPLayout.prompt_positions)."""
+    captured = max(prompt_len - 1, 0)
+    if cp == 1:
+        return captured
+    bounds = [round(captured * i / (2 * cp)) for i in range(2 * cp + 1)]
+    return max(bounds[r + 1] - bounds[r] + bounds[2 * cp - r] - bounds[2 * cp - r - 1]
+               for r in range(cp))
+
+
+def page_bytes(pages: list[PageKind], rows: int, page_tokens: int) -> tuple[float, float]:
+    """(logical, allocated) bytes of one rank's pages (pages.PageStore.nbytes)."""
+    logical = allocated = 0.0
+    for kind in pages:
+        if kind.sequence:
+            logical += kind.num_layers * rows * kind.row_bytes
+            allocated += kind.num_layers * math.ceil(rows / page_tokens) * page_tokens * kind.row_bytes
+        else:
+            logical += kind.num_layers * kind.row_bytes
+            allocated += kind.num_layers * kind.row_bytes
+    return logical, allocated
+
+
+def lse_merge_saved(queries: int, rows: int, heads: int, width: int, acc: float) -> float:
+    """parallel.merge_partials_by_lse under autograd on one rank: its partial [queries, heads,
+    width] over its keys is weighted by exp(lse - max) and [weight * out; weight] is
+    reduce-scattered, leaving its own `rows` merged rows. Saved: the weight (and its [..., None]
+    view, by the product), the partial in `acc`; numerator / clamp_min(denominator) (both, and
+    clamp's input); torch.where's condition (bool)."""
+    return (2 * queries * heads * acc + queries * heads * width * acc
+            + rows * heads * (width + 2) * acc + rows * heads)

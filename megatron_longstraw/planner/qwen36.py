@@ -1,0 +1,331 @@
+"""The Qwen3.6 family of the planner: parameters, pages (fixed GDN state, per-token K/V) and replay
+activations of `models/qwen36` (checked against the model in tests/test_planner.py)."""
+
+from __future__ import annotations
+
+from megatron_longstraw.planner.common import (
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
+)
+
+
+# ---- Qwen3.6 ------------------------------------------------------------------------------------
+
+GDN_CHUNK = 64
+"""Token chunk of both delta-rule kernels (Megatron's `torch_chunk_gated_delta_rule` default and
+FLA's `chunk_gated_delta_rule`)."""
+
+
+def _qwen36_sizes(cfg) -> tuple[int, int]:
+    """(full-attention layers, GDN layers)."""
+    num_attention = cfg.num_full_attention_layers()
+    return num_attention, cfg.num_hidden_layers - num_attention
+
+
+def _check_qwen36_cp(cfg, cp: int) -> None:
+    if cfg.linear_num_key_heads % cp:
+        raise ValueError(f"CP {cp} must divide the GDN query/key heads ({cfg.linear_num_key_heads}): "
+                         "GDN layers shard by heads under context parallelism.")
+
+
+def qwen36_params(cfg) -> list[ParamGroup]:
+    """Every parameter of build_qwen36_model (Megatron names in comments)."""
+    h, V, ffn = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    H, G, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    num_attention, num_gdn = _qwen36_sizes(cfg)
+    L = cfg.num_hidden_layers
+    gdn_proj = [(h, 2 * hk * dk + 2 * hv * dv + 2 * hv),   # in_proj rows [q; k; v; z; beta; alpha]
+                (hv * dv, h)]                              # out_proj
+    # input_layernorm, conv1d (depthwise [conv_dim, 1, kernel], no bias), A_log, dt_bias, out_norm
+    gdn = (h + cfg.conv_dim() * cfg.linear_conv_kernel_dim + 2 * hv + dv
+           + sum(i * o for i, o in gdn_proj))
+    attention_proj = [(h, 2 * H * d + 2 * G * d),           # linear_qkv rows [q; gate; k; v]
+                      (H * d, h)]                           # linear_proj
+    # input_layernorm, q_layernorm, k_layernorm (per head_dim)
+    attention = h + 2 * d + sum(i * o for i, o in attention_proj)
+    mlp_proj = [(h, 2 * ffn), (ffn, h)]                     # linear_fc1 (gated), linear_fc2
+    return [
+        ParamGroup("embedding", V * h, kind="embedding"),
+        ParamGroup("output_layer + final_norm", V * (0 if cfg.tie_word_embeddings else h) + h,
+                   kind="head"),
+        ParamGroup("Gated DeltaNet", num_gdn * gdn, kind="attention", lora_shapes=gdn_proj * num_gdn),
+        ParamGroup("gated attention", num_attention * attention, kind="attention",
+                   lora_shapes=attention_proj * num_attention),
+        # pre_mlp_layernorm + the two linears, every layer
+        ParamGroup("dense MLP", L * (h + 3 * h * ffn), kind="mlp", lora_shapes=mlp_proj * L),
+    ]
+
+
+def qwen36_pages(cfg, kv_bytes: float, conv_bytes: float, state_bytes: float, cp: int = 1,
+                 captured: bool = True) -> list[PageKind]:
+    """One rank's captured kinds: K and V rows [groups, head_dim] per full-attention layer
+    (attention.py KEY, VALUE; under CP this rank's prompt shard); per GDN layer the recurrent state
+    [H_v / CP, d_k, d_v] and the conv tail [kernel - 1, conv_dim / CP] (gdn.py GDN_STATE, CONV_TAIL;
+    under CP sharded by heads). `captured` False (a one-token prompt): nothing is stored."""
+    _check_qwen36_cp(cfg, cp)
+    num_attention, num_gdn = _qwen36_sizes(cfg)
+    num_gdn = num_gdn if captured else 0
+    row = cfg.num_key_value_heads * cfg.head_dim * kv_bytes
+    state = cfg.linear_num_value_heads // cp * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    tail = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim() // cp
+    return [PageKind("key", row, num_attention), PageKind("value", row, num_attention),
+            PageKind("gdn_state", state * state_bytes, num_gdn, sequence=False),
+            PageKind("conv_tail", tail * conv_bytes, num_gdn, sequence=False)]
+
+
+def zero_centred_norm_saved(rows: int, width: int, acc: float) -> float:
+    """spec.ZeroCenteredRMSNorm over [rows, width], all in `acc`: pow's input, rsqrt's output, the
+    normalising product's two inputs, the gain product's two inputs ((1 + weight) is a new tensor)."""
+    return (3 * rows * width + 2 * rows + width) * acc
+
+
+def torch_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int,
+                                 f: float = 4) -> tuple[float, float]:
+    """Megatron-Core's `torch_chunk_gated_delta_rule` (the CPU kernel, gated_delta_net/common.py)
+    under autograd, from an initial state that needs no gradient (a captured page, or zeros): every
+    tensor in float32 (`f`), rows padded to whole chunks of C = GDN_CHUNK. Line numbers are
+    Megatron-Core 0.19.2's.
+
+    The last chunk's state update (lines 888-889) feeds only the final state, which replay drops, so
+    its graph, with the two `exp` outputs it saved, is freed when the call returns.
+
+    Returns (bytes kept until backward, bytes of that last update: saved while the call runs, freed
+    when it returns)."""
+    C, H = GDN_CHUNK, heads
+    chunks = -(-rows // C)
+    if chunks == 0:
+        return 0.0, 0.0
+    T = chunks * C
+    square = H * chunks * C * C                                # one [H, chunks, C, C] tensor
+    before_loop = (
+        H * T * (dv + 1) + H * T * (dk + 1)                    # v * beta, k * beta (846, 847)
+        + square                                               # decay_mask = exp(...) (860)
+        + 2 * H * T * dk + 2 * square                          # (k_beta @ k^T) * decay_mask (861)
+        + H * chunks * (C - 1) * C * (C + 1) // 3              # row [i], sub [i, i] per i < C (865)
+        + square + H * T * dv                                  # attn @ v_beta (867)
+        + 2 * H * T + H * T * dk + square + H * T * dk         # attn @ (k_beta * exp(g)) (868)
+    )
+    per_chunk = (2 * H * C * dk + 2 * H * C * C                # q_i @ k_i^T * decay_mask_i (882)
+                 + H * dk * dv                                 # k_cumdecay_i @ S (883)
+                 + 2 * H * C + H * C * dk + H * dk * dv        # (q_i * exp(g_i)) @ S (885)
+                 + H * C * C + H * C * dv)                     # attn_i @ v_new (886)
+    state_grad = 2 * H * C * dk        # S has grad from chunk 2 on: 883/885 save their left side
+    update = (H + H * dk * dv                                  # S * exp(g_last) (888)
+              + 2 * H * C + H * C * dk + H * dk * C + H * C * dv)  # (k * exp(..))^T @ v_new (889)
+    floats = (before_loop + chunks * per_chunk + (chunks - 1) * (state_grad + update)
+              + max(chunks - 2, 0) * H)                        # 888 saves exp(g_last) once S has grad
+    masks = C * C + chunks * C * C                             # bool masks of 861 and 882
+    last_update = update + (H if chunks > 1 else 0)
+    return floats * f + masks, last_update * f
+
+
+def fla_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int, b: float) -> float:
+    """FLA's `ChunkGatedDeltaRuleFunction` (the GPU kernel): saves q, k, v (H_v heads), g's chunk
+    cumsum (fp32), beta and A [rows, H, C] in k's dtype (fla/ops/gated_delta_rule/chunk.py); the
+    initial state it also saves is the fetched page (counted in the page window). Analytic."""
+    return rows * heads * ((2 * dk + dv + 1 + GDN_CHUNK) * b + 4)
+
+
+def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, query_block: int,
+                        acc: float | None = None) -> dict[str, float]:
+    """Bytes autograd saves while one member's branch is replayed, as SavedTensorMeter counts them
+    (one count per saved reference), kind by kind, with the CPU kernels (torch chunk delta rule,
+    PyTorch l2norm); `*_device` figures swap in FLA's kernels and count tensors saved several times
+    once.
+
+    rows: this rank's branch rows (R, or R_pad / CP). prefix_len: this rank's captured prompt rows.
+    Under CP (DESIGN section 3 as models/qwen36 implements it; checked at CP = 2) GDN layers run
+    all R_pad rows for H_v / CP heads (in_proj output exchanged to heads and back), and full
+    attention gathers all R_pad queries, keys and values, attends over [prefix shard; branch] and
+    merges the partial outputs by log-sum-exp into this rank's rows. Returns the parts and the
+    totals `checkpointed` (whole-layer checkpointing: layer inputs + LM head + loss) and
+    `uncheckpointed` (every layer's tensors; the larger of the end of the forward and the moment
+    inside the last GDN layer, see below).
+    """
+    _check_qwen36_cp(cfg, cp)
+    acc = acc or max(b, 4.0)
+    f = max(4.0, b)                                    # the torch delta rule computes in float32
+    h, V, ffn = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    H, G, d, rot = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim()
+    hk, hv = cfg.linear_num_key_heads // cp, cfg.linear_num_value_heads // cp   # this rank's heads
+    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    conv = cfg.conv_dim() // cp
+    in_proj = 2 * cfg.linear_num_key_heads * dk + 2 * cfg.linear_num_value_heads * dv \
+        + 2 * cfg.linear_num_value_heads
+    c = rows
+    s = rows * cp                                      # GDN rows, attention queries (all, under CP)
+    norm = lambda n, w: zero_centred_norm_saved(n, w, acc)
+    mlp = norm(c, h) + c * h * b + 4 * c * ffn * b    # pre_mlp_layernorm, fc1 in, GLU (3), fc2 in
+
+    gdn_after_core = (norm(s * hv, dv)                           # out_norm (returns x's dtype)
+                      + s * hv * dv * (b + 2 * acc)              # * silu(gate.float())
+                      + c * hv * cp * dv * b)                    # out_proj input (this rank's rows)
+    gdn_outer = (
+        norm(c, h) + c * h * b                         # input_layernorm, in_proj input
+        + conv * (s + K - 1) * b + conv * s * b        # conv1d input [tail; branch], silu input
+        + 2 * hv * b + 2 * s * hv * acc + s * hv * b   # g = -exp(A_log) * softplus(.), sigmoid(beta)
+    )
+    if cp > 1:
+        # parallel.HeadParallel: in_proj output to heads (head permutation index, row index), this
+        # rank's conv1d weight (a copy); back to rows (index_copy's index and source)
+        gdn_outer += 8 * in_proj + 8 * s + conv * K * b
+        gdn_after_core += 8 * s + s * hv * dv * b
+    gdn_outer += gdn_after_core
+    l2norm = 3 * s * 2 * hk * dk * acc + 2 * s * 2 * hk * acc      # platform._torch_l2norm on [q; k]
+    l2norm_device = s * 2 * hk * (dk * b + 4)                       # FLA l2norm: output, rstd
+    core, core_transient = torch_chunk_delta_rule_saved(s, hv, dk, dv, f)
+    gdn = gdn_outer + l2norm + core
+    gdn_device = gdn_outer + l2norm_device + fla_chunk_delta_rule_saved(s, hv, dk, dv, b)
+
+    keys = prefix_len + s                              # [prefix (shard); branch]
+    num_query_blocks = -(-s // query_block)
+    queries = s * (2 * H * d * b + H * acc + 8)        # q and out blocks, lse, q positions
+    key_rows = keys * (2 * G * d * b + 8)              # K, V ([pages; branch] cat copy), positions
+    attention_outer = (
+        norm(c, h) + c * h * b                         # input_layernorm, linear_qkv input
+        + norm(c * H, d) + norm(c * G, d)              # q_layernorm, k_layernorm
+        + 4 * c * rot * b                              # RoPE cos / sin, q and k
+        + c * H * d * (b + 2 * acc)                    # o * sigmoid(gate)
+        + c * H * d * b                                # linear_proj input
+    )
+    if cp > 1:  # log-sum-exp merge of this rank's [s, H, d] partial, keeping its c rows
+        attention_outer += lse_merge_saved(s, c, H, d, acc)
+    attention = attention_outer + queries + num_query_blocks * key_rows   # keys saved per query block
+    attention_device = attention_outer + queries + key_rows
+
+    # final_norm, output_layer input, log-softmax (saved twice: its output and gather's input), index
+    head = norm(c, h) + c * h * b + 2 * c * V * acc + 8 * c
+    loss = 4 * c * acc + 2 * acc                       # grpo.member_loss: ratio, clip, min, scalars
+    embed = 8 * c                                      # token ids
+    inputs = cfg.num_hidden_layers * c * h * b         # checkpoint inputs, one per decoder layer
+    layers = [attention + mlp if cfg.is_full_attention(i) else gdn + mlp
+              for i in range(cfg.num_hidden_layers)]
+    end_of_forward = embed + sum(layers) + head + loss
+    # Without checkpointing the meter can peak inside the last GDN layer instead (short branches
+    # over a short prefix): as its delta rule returns, the last state update is still saved and
+    # the gated norm after it not yet.
+    gdn_idx = [i for i in range(cfg.num_hidden_layers) if not cfg.is_full_attention(i)]
+    inside_last_gdn = (embed + sum(layers[:gdn_idx[-1]]) + gdn - gdn_after_core + core_transient
+                       if gdn_idx else 0.0)
+    return {"embedding": embed, "checkpoint_inputs": inputs,
+            "gdn_layer": gdn + mlp, "attention_layer": attention + mlp,
+            "layer_working_set": max(gdn, attention) + mlp,
+            "layer_working_set_device": max(gdn_device, attention_device) + mlp,
+            "gdn_working_set_device": gdn_device + mlp,
+            "attention_working_set_device": attention_device + mlp,
+            "head": head, "head_device": head - c * V * acc, "loss": loss,
+            "largest_saved_tensor": max(keys * G * d * b, c * V * acc, s * hv * dv * acc,
+                                        s * H * d * acc if cp > 1 else 0),
+            "checkpointed": embed + inputs + head + loss,
+            "end_of_forward": end_of_forward, "inside_last_gdn": inside_last_gdn,
+            "uncheckpointed": max(end_of_forward, inside_last_gdn)}
+
+
+def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
+    """Qwen3.6 against models/qwen36: parameters, pages and the replay saved set checked on CPU
+    (tests/test_planner.py); capture, scoring and the device kernels' scratch analytic."""
+    cfg = spec.model
+    b, acc = spec.act_bytes, max(spec.act_bytes, 4.0)
+    cp, R = spec.cp, spec.response_len
+    h, ffn, H, G, d = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, cfg.head_dim)
+    hv, dk, dv = cfg.linear_num_value_heads // cp, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    in_proj = 2 * cfg.linear_num_key_heads * dk + 2 * cfg.linear_num_value_heads * dv \
+        + 2 * cfg.linear_num_value_heads
+    n = local_prompt_rows(prompt_len, cp)               # captured rows on this rank
+    total = max(prompt_len - 1, 0)
+    rows = -(-R // cp)                                  # this rank's branch rows
+    r_pad = rows * cp
+    state_bytes = max(4.0, b)                           # both delta-rule kernels keep S in fp32
+    pages = qwen36_pages(cfg, spec.latent_bytes, spec.latent_bytes, state_bytes, cp, total > 0)
+    saved = qwen36_replay_saved(cfg, rows, cp, n, b, spec.query_block, acc=acc)
+    kv_row = 2 * G * d * spec.latent_bytes              # one layer's K and V page bytes per token
+    fixed = sum(p.row_bytes for p in pages if not p.sequence and p.num_layers)  # one GDN layer
+
+    # Capture (capture.py, attention.py, gdn.py; models/common.run_group), one layer at a time.
+    tb = min(spec.token_block, max(n, 1))
+    qb = min(spec.query_block, max(n, 1))
+    kb = spec.key_block
+    scores = lambda queries: 3 * queries * H * kb * acc  # scores, probabilities, their product
+    fla_block = lambda tokens: (             # FLA forward scratch for `tokens` rows
+        tokens * hv * ((3 * dk + 4 * dv + 64) * b + 64 * 4 + 8)   # q k v w u v_new o, A, g, beta
+        + -(-tokens // GDN_CHUNK) * hv * dk * dv * b)             # h: the state at every chunk start
+    gdn_block = lambda tokens: (tokens * in_proj // cp * b       # in_proj output (this rank's heads)
+                                + 3 * tokens * cfg.conv_dim() // cp * b  # conv input, output, silu
+                                + 3 * tokens * hv * dv * acc     # gated norm
+                                + fla_block(tokens))
+    residual = Item("capture residual stream [P/CP, h] x3 (layer input, block outputs, cat)",
+                    3 * n * h * b)
+    if cp == 1:
+        capture_attention = [
+            residual,
+            Item("capture K/V buffers [P, groups, d] x2 (attention.py _causal_in_order)",
+                 2 * n * G * d * b),
+            Item("capture projections of one token block (q, gate [tb, heads, d], k, v)",
+                 tb * (2 * H + 2 * G) * d * b),
+            Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
+        ]
+        capture_gdn = [residual, Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
+                                      "chunk kernel incl. per-chunk states)", gdn_block(tb))]
+    else:
+        capture_attention = [
+            residual,
+            Item("capture q, gate [P/CP, heads, d] and k, v [P/CP, groups, d] (whole shard)",
+                 n * (2 * H + 2 * G) * d * b),
+            Item("broadcast K/V shard [P/CP, groups, d] x2 + positions", n * (2 * G * d * b + 8)),
+            Item("running output + log-sum-exp merge [P/CP, heads, d] x3", 3 * n * H * d * b
+                 + 4 * n * H * acc),
+            Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
+        ]
+        capture_gdn = [
+            residual,
+            Item("GDN in_proj output, head-parallel [P, in_proj_dim / CP] (all-to-all)",
+                 total * in_proj // cp * b),
+            Item("GDN mixed output [P, H_v / CP * d_v] (block list + cat + exchange back)",
+                 3 * total * hv * dv * b),
+            Item("GDN token block scratch (conv, gated norm, FLA chunk kernel incl. per-chunk "
+                 "states)", gdn_block(tb) - tb * in_proj // cp * b),
+        ]
+    capture_mlp = [residual, Item("MLP token chunk [token_block, 3 x ffn] + zero-centred norm fp32",
+                                  tb * (3 * ffn * b + 2 * h * acc))]
+    # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs, so one
+    # attention layer's K/V and one GDN layer's state are on the device at once.
+    window = Item("streamed page window (one attention layer's K/V + one GDN layer's state)",
+                  n * kv_row + fixed)
+    scoring = [window,
+               Item("K/V cat [P/CP + R, groups, d] x2 (scoring copy)", (n + r_pad) * 2 * G * d * b),
+               Item("attention block scratch [query_block, heads, key_block] fp32",
+                    scores(min(spec.query_block, r_pad))),
+               Item("LSE merge: [weight * out; weight] [R, heads, d + 1] fp32 + reduce-scatter",
+                    2 * r_pad * H * (d + 1) * acc if cp > 1 else 0)]
+    replay = [
+        window,
+        Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
+             saved["checkpoint_inputs"] + saved["embedding"], measured=True),
+        Item("replay recompute: attention layer + MLP (K/V cat counted once)",
+             saved["attention_working_set_device"], measured=True, group="graph"),
+        Item("replay recompute: GDN layer + MLP (FLA kernel's saved set, analytic)",
+             saved["gdn_working_set_device"], group="graph"),
+        Item("replay LM head + loss (before the layers' backward)",
+             saved["head_device"] + saved["loss"], measured=True, group="graph"),
+        Item("replay attention backward: grad K/V [P/CP + R, groups, d] fp32 x2 + block scratch",
+             2 * (n + r_pad) * G * d * acc + scores(min(spec.query_block, r_pad))),
+        Item("replay backward transient (gradient of the largest saved tensor)",
+             saved["largest_saved_tensor"]),
+    ]
+    notes = ["qwen36: parameters, page bytes and replay saved-tensor bytes (CPU kernels) are checked "
+             "against the model (tests/test_planner.py); the GDN layer's device working set (FLA "
+             "kernels), capture and scoring scratch are analytic."]
+    if cp > 1:
+        notes.append(f"CP = {cp}: per-rank pages (K/V of the load-balanced prompt shard; GDN state "
+                     "and conv tail sharded by heads, 1 / CP per rank) and replay saved bytes follow "
+                     "models/qwen36's CP path, checked at CP = 2 on the tiny model; other sizes are "
+                     "the same formulas, not measured. Replay runs GDN over all R_pad rows for "
+                     "H_v / CP heads and gathers all R_pad queries for attention: those working sets "
+                     "grow with R, not R / CP.")
+    return Footprint(params=qwen36_params(cfg), pages=pages,
+                     phases={"capture (attention layer)": capture_attention,
+                             "capture (GDN layer)": capture_gdn, "capture (MLP)": capture_mlp,
+                             "scoring": scoring, "replay": replay},
+                     replay_saved=saved, notes=notes)
