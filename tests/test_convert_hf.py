@@ -63,18 +63,26 @@ def hf_checkpoint(tmp_path_factory):
                 tensor.copy_(base + 0.1 * torch.randn_like(tensor))
             if name.endswith("e_score_correction_bias"):
                 tensor.copy_(0.05 * torch.randn_like(tensor))
-    path = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(path, max_shard_size="300KB")
+    return _save_sharded(model, tmp_path_factory.mktemp("hf"), "300KB")
+
+
+def _save_sharded(model, path, max_shard_size: str):
+    """save_pretrained in several shards (the converter must read an index); (path, state)."""
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     assert (path / "model.safetensors.index.json").exists()  # sharded input
     return path, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _convert(hf_dir, out, family: str):
+    """tools/convert_hf.py HF -> model format in fp64; returns `out`."""
+    assert convert_hf.main(["--family", family, "--hf-dir", str(hf_dir), "--out", str(out),
+                            "--dtype", "fp64"]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def converted(hf_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("converted") / "glm52"
-    assert convert_hf.main(["--family", "glm52", "--hf-dir", str(hf_checkpoint[0]),
-                            "--out", str(out), "--dtype", "fp64"]) == 0
-    return out
+    return _convert(hf_checkpoint[0], tmp_path_factory.mktemp("converted") / "glm52", "glm52")
 
 
 def _our_model(model_dir, family: str = "glm52"):
@@ -220,18 +228,13 @@ def qwen_checkpoint(tmp_path_factory):
                 tensor.copy_(torch.empty_like(tensor).uniform_(0.02, 0.5).log())
             elif name.endswith("dt_bias"):
                 tensor.copy_(0.5 * torch.randn_like(tensor))
-    path = tmp_path_factory.mktemp("hf_qwen")
-    model.save_pretrained(path, max_shard_size="100KB")
-    assert (path / "model.safetensors.index.json").exists()  # sharded input
-    return path, {k: v.clone() for k, v in model.state_dict().items()}
+    return _save_sharded(model, tmp_path_factory.mktemp("hf_qwen"), "100KB")
 
 
 @pytest.fixture(scope="module")
 def qwen_converted(qwen_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("converted_qwen") / "qwen36"
-    assert convert_hf.main(["--family", "qwen36", "--hf-dir", str(qwen_checkpoint[0]),
-                            "--out", str(out), "--dtype", "fp64"]) == 0
-    return out
+    return _convert(qwen_checkpoint[0], tmp_path_factory.mktemp("converted_qwen") / "qwen36",
+                    "qwen36")
 
 
 def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
