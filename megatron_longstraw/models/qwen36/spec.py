@@ -64,6 +64,15 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered"
 
 
+def _mixer_layer(mixer: ModuleSpec, norm) -> ModuleSpec:
+    """A `G` / `*` symbol: input norm, the mixer, residual (HybridStack's mixer-only layer)."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add),
+    )
+
+
 def qwen36_stack_spec(config, rotary_base: float, rotary_percent: float,
                       backend=None) -> ModuleSpec:
     """HybridStack spec for Qwen3.6 (`G-` / `*-` layers). `config`: the TransformerConfig."""
@@ -90,22 +99,8 @@ def qwen36_stack_spec(config, rotary_base: float, rotary_percent: float,
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
-            gdn_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    input_layernorm=norm,
-                    self_attention=gdn,
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    input_layernorm=norm,
-                    self_attention=attention,
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
+            gdn_layer=_mixer_layer(gdn, norm),
+            attention_layer=_mixer_layer(attention, norm),
             mlp_layer=ModuleSpec(
                 module=MLPLayer,
                 submodules=TransformerLayerSubmodules(
