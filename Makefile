@@ -6,13 +6,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 test bench clean
+.PHONY: demo demo-glm52 demo-qwen36 test bench refresh-pins clean
 
-$(VENV)/.installed: setup.py
+# Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
+# what the last green run had. `make refresh-pins` moves the pins forward.
+CONSTRAINTS := constraints.txt
+EXTRAS := test,bench
+
+$(VENV)/.installed: setup.py $(CONSTRAINTS)
 	@test -n "$(PYTHON)" || { echo "python3.12 not found: install Python 3.12 (megatron-core 0.19 requires it)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	touch $@
 
 # make demo [MODEL=glm52|qwen36] [NPROC=4] [PROMPT_LEN=32768]
@@ -54,6 +59,20 @@ test: $(VENV)/.installed
 # LongStraw against conventional GRPO on CPU (tiny GLM-5.2): table, JSON and plot in runs/bench/.
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --quick
+
+# A new .venv with the newest versions the registry serves (setup.py's ranges), constraints.txt
+# rewritten from it, then the suite. Commit constraints.txt only if the suite passes.
+refresh-pins:
+	@test -n "$(PYTHON)" || { echo "python3.12 not found: install Python 3.12 (megatron-core 0.19 requires it)"; exit 1; }
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	{ echo "# Versions tested together (make test), written by 'make refresh-pins' on $$(date -u +%Y-%m-%d)."; \
+	  echo "# Python $$($(PY) -c 'import platform; print(platform.python_version())'), torch CPU capability $$($(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')."; \
+	  $(PY) -m pip freeze --all --exclude-editable; } > $(CONSTRAINTS)
+	touch $(VENV)/.installed
+	$(PY) -m pytest -q -p no:warnings tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

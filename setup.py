@@ -17,7 +17,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers", "bitsandbytes>=0.47"],
-        "qlora": ["bitsandbytes>=0.47"],  # NF4 base weights (adapters.py, quantize_base=True)
+        "qlora": ["bitsandbytes>=0.47"],
+        "bench": ["matplotlib"],  # tools/bench.py's plots  # NF4 base weights (adapters.py, quantize_base=True)
         "convert": ["transformers"],  # tools/convert_hf.py reads Hugging Face configs
         # The GPU kernels are not on the package registry in usable form (the registry's
         # flash-mla / deep-ep / deep-gemm are early-2025 snapshots without the APIs used here).

@@ -12,10 +12,13 @@ parameter is frozen too: only `lora_A` / `lora_B` train. `wrapper.weight` is the
 product instead of calling the layer).
 
 Library choices (bitsandbytes 0.50.2, peft 0.21.2, Megatron-Core 0.19.2, checked on CPU):
-- NF4 comes from bitsandbytes' functional API: `quantize_4bit(w, blocksize=64,
-  compress_statistics=True, quant_type="nf4")`, `dequantize_4bit`, and `matmul_4bit`, whose backward
-  keeps only the packed weight (dequantising again) instead of a full-precision copy. All run on the
-  CPU. `bnb.nn.Linear4bit` works on the CPU as well, but it is an `nn.Linear` that returns one
+- NF4 comes from bitsandbytes' functional API through `nf4.py`: `quantize_4bit(w, blocksize=64,
+  compress_statistics=True, quant_type="nf4")`, a dequantise over the flattened layout (bitsandbytes'
+  native AVX-512 CPU kernel blocks per row and gets weights whose last dimension is not a multiple
+  of 64 wrong; `nf4.py` says why and how), `matmul_4bit` on a GPU, and on CPU a matmul whose
+  backward keeps only the packed weight (dequantising again) instead of a full-precision copy.
+  Each quantised weight's round trip is checked against NF4's bound once (`nf4.NF4Error`).
+  `bnb.nn.Linear4bit` works on the CPU as well, but it is an `nn.Linear` that returns one
   tensor, so it cannot stand in for a Megatron linear (no `(output, bias)` tuple, no
   `skip_bias_add`).
 - peft is not used. Its Megatron path (`LoraConfig(megatron_config=..., megatron_core=...)` ->
@@ -48,15 +51,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from megatron_longstraw import nf4
+from megatron_longstraw.nf4 import nf4_nbytes  # noqa: F401 (part of this module's API)
 
 QWEN36_TARGETS = ("linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2")
 GLM52_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                  "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
-NF4_BLOCKSIZE = 64
-NF4_NESTED_BLOCKSIZE = 256
-"""bitsandbytes quantises the absmax statistics in blocks of 256 (fixed in `quantize_4bit`)."""
 
 
 @dataclass
@@ -97,15 +99,6 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-def _bnb_functional():
-    try:
-        import bitsandbytes.functional as bnb_functional
-    except ImportError as exc:
-        raise ImportError("quantize_base=True (QLoRA, NF4 base weights) needs bitsandbytes>=0.47: "
-                          "pip install -e '.[qlora]'") from exc
-    return bnb_functional
-
-
 def _linear_types() -> tuple[type, ...]:
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -143,11 +136,7 @@ class LoRALinear(nn.Module):
         base.requires_grad_(False)
         self.enabled, self.merged, self.quant_state = True, False, None
         if quantize_base:
-            # bitsandbytes quantises 16/32-bit floats; a float64 weight goes through float32, far
-            # finer than NF4's own error.
-            source = weight.detach().float() if weight.dtype == torch.float64 else weight.detach()
-            packed, self.quant_state = _bnb_functional().quantize_4bit(
-                source, blocksize=NF4_BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+            packed, self.quant_state = nf4.quantize(weight, name)   # round trip checked once
             # Not persistent: a QLoRA base is rebuilt from its checkpoint; save adapters only.
             self.register_buffer("nf4_weight", packed, persistent=False)
             base.weight = None
@@ -163,8 +152,7 @@ class LoRALinear(nn.Module):
         """The frozen base weight [out, in] (dequantised when stored in NF4)."""
         if self.quant_state is None:
             return self.base.weight
-        weight = _bnb_functional().dequantize_4bit(self.nf4_weight, self.quant_state)
-        return weight.to(self.base_dtype)
+        return nf4.dequantize(self.nf4_weight, self.quant_state).to(self.base_dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A: [out, in]."""
@@ -182,10 +170,7 @@ class LoRALinear(nn.Module):
         """The base layer's forward (TP = 1) on the NF4 weight, same return convention."""
         from megatron.core.post_training.modelopt.layers import Linear
 
-        if x.dtype == self.quant_state.dtype:
-            out = _bnb_matmul_4bit(x, self.nf4_weight.t(), quant_state=self.quant_state)
-        else:
-            out = F.linear(x, self.base_weight().to(x.dtype))
+        out = nf4.matmul(x, self.nf4_weight, self.quant_state)
         bias = self.base.bias
         if isinstance(self.base, Linear):   # modelopt Linear: bias always added (nn.Linear)
             out = out if bias is None else out + bias
@@ -211,12 +196,6 @@ class LoRALinear(nn.Module):
         update = (inputs @ self.lora_A.t()) @ self.lora_B.t()
         out = out + (self.scaling * update).to(out.dtype)
         return (out, *result[1:]) if isinstance(result, tuple) else out
-
-
-def _bnb_matmul_4bit(*args, **kwargs) -> torch.Tensor:
-    import bitsandbytes
-
-    return bitsandbytes.matmul_4bit(*args, **kwargs)
 
 
 @dataclass
@@ -436,20 +415,9 @@ def quantized_base_bytes(model: nn.Module) -> int:
 
 def nf4_module_bytes(module: LoRALinear) -> int:
     """`quantized_base_bytes` of one wrapper (0 when its base is not quantised)."""
-    state = module.quant_state
-    if state is None:
+    if module.quant_state is None:
         return 0
-    return (module.nf4_weight.numel() * module.nf4_weight.element_size()
-            + state.absmax.numel() * state.absmax.element_size()
-            + state.state2.absmax.numel() * state.state2.absmax.element_size()
-            + state.offset.numel() * state.offset.element_size())
-
-
-def nf4_nbytes(numel: int) -> int:
-    """NF4 bytes of one weight of `numel` values: 4 bits each, one 8-bit absmax per block of 64,
-    one fp32 scale per 256 absmax values, one fp32 offset: 0.5 + 1/64 + 4/16384 bytes/value."""
-    blocks = -(-numel // NF4_BLOCKSIZE)
-    return -(-numel // 2) + blocks + 4 * -(-blocks // NF4_NESTED_BLOCKSIZE) + 4
+    return nf4.state_nbytes(module.nf4_weight, module.quant_state)
 
 
 def lora_parameter_count(shapes: Iterable[tuple[int, int]], rank: int) -> int:

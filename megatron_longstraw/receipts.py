@@ -29,13 +29,27 @@ def write_json_atomic(path: str | Path, payload: dict) -> Path:
     return path
 
 
-def environment() -> dict:
-    import megatron.core
+def _version(module: str) -> str | None:
+    """A package's version, None when it is not installed (optional extras)."""
+    from importlib import metadata
 
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """What produced a receipt: the versions the numerics depend on (constraints.txt pins them)
+    and the CPU capability torch dispatches on (AVX512 / AVX2 / DEFAULT: bitsandbytes and torch
+    take other CPU kernels on other capabilities)."""
     return {
         "python": pyplatform.python_version(),
         "torch": torch.__version__,
-        "megatron_core": getattr(megatron.core, "__version__", "unknown"),
+        "megatron_core": _version("megatron-core") or "unknown",
+        "bitsandbytes": _version("bitsandbytes"),
+        "transformers": _version("transformers"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.cuda.is_available(),
         "host": pyplatform.node(),
     }

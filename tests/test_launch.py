@@ -164,6 +164,15 @@ def test_pretrain_gpt_runs_one_step(tmp_path):
     assert receipt["page_bytes_by_kind"] == {"latent": 255 * 8 * 40 * 4, "index_key": 255 * 4 * 16 * 4}
     assert receipt["fixed_page_kinds"] == [] and receipt["fixed_page_bytes"] == 0
     assert receipt["page_bytes_per_token"] == (8 * 40 + 4 * 16) * 4
+    # What produced it: the installed versions (read here from the distributions' metadata) and
+    # the CPU capability torch dispatches on.
+    from importlib import metadata
+
+    env = receipt["environment"]
+    assert env["torch"] == torch.__version__                 # with its local tag (+cu130)
+    for dist in ("megatron-core", "bitsandbytes", "transformers"):
+        assert env[dist.replace("-", "_")] == metadata.version(dist), dist
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def _qwen36_model_format(folder: Path) -> dict:

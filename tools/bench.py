@@ -36,11 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,57 +314,7 @@ def markdown(results: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- PNG (matplotlib when importable, else a small pure-python writer) ---------------------------
-
-_FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "K": "101101110101101",
-    "L": "100100100100111", "M": "101111111101101", "N": "110101101101101", "O": "010101101101010",
-    "P": "110101110100100", "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
-    "U": "101101101101111", "V": "101101101101010", "W": "101101111111101", "X": "101101010101101",
-    "Y": "101101010010010", "=": "000111000111000", ".": "000000000000010", "-": "000000111000000",
-    "/": "001001010100100", "(": "010100100100010", ")": "010001001001010", " ": "0" * 15,
-}
-
-
-class _Canvas:
-    def __init__(self, width, height):
-        self.w, self.h = width, height
-        self.px = bytearray(b"\xff" * (width * height * 3))
-
-    def dot(self, x, y, color, size=1):
-        for dx in range(size):
-            for dy in range(size):
-                xx, yy = int(x) + dx, int(y) + dy
-                if 0 <= xx < self.w and 0 <= yy < self.h:
-                    self.px[(yy * self.w + xx) * 3:(yy * self.w + xx) * 3 + 3] = bytes(color)
-
-    def line(self, x0, y0, x1, y1, color, width=2, dash=0):
-        steps = int(max(abs(x1 - x0), abs(y1 - y0), 1))
-        for i in range(steps + 1):
-            if dash and (i // dash) % 2:
-                continue
-            self.dot(x0 + (x1 - x0) * i / steps, y0 + (y1 - y0) * i / steps, color, width)
-
-    def text(self, x, y, s, color=(0, 0, 0), scale=2):
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT[" "])
-            for i, bit in enumerate(glyph):
-                if bit == "1":
-                    self.dot(x + (i % 3) * scale, y + (i // 3) * scale, color, scale)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        row = self.w * 3
-        raw = b"".join(b"\x00" + bytes(self.px[y * row:(y + 1) * row]) for y in range(self.h))
-        def chunk(tag, data):
-            return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-        header = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+# ---- PNG (matplotlib, the bench extra) -----------------------------------------------------------
 
 
 _COLORS = {"longstraw": (31, 119, 180), "conventional": (214, 39, 40)}
@@ -382,68 +330,27 @@ def _series(results):
 
 
 def write_png(results: list[dict], cap_bytes: int, path: Path) -> str:
-    series = _series(results)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for (m, g), pts in series.items():
-            ax.plot(*zip(*pts), marker="o", linestyle="-" if g == max(k[1] for k in series) else "--",
-                    color=[c / 255 for c in _COLORS[m]], label=f"{m} G={g}")
-        top = max(y for pts in series.values() for _, y in pts)
-        if cap_bytes / MiB <= 1.5 * top:
-            ax.axhline(cap_bytes / MiB, color="gray", linewidth=1, label="cap")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt length P (tokens)")
-        ax.set_ylabel("peak RSS per process (MiB)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        return "matplotlib"
-    import math
+    import matplotlib
 
-    W, H, L, R_, T, B = 720, 460, 80, 200, 30, 60
-    c = _Canvas(W, H)
-    xs = [p for pts in series.values() for p, _ in pts] or [1, 2]
-    ys = [y for pts in series.values() for _, y in pts] or [0, 1]
-    cap = cap_bytes / MiB
-    show_cap = cap <= 1.5 * max(ys)  # else the curves would be squashed against the axis
-    x0, x1 = math.log2(min(xs)), math.log2(max(xs)) + (0 if max(xs) > min(xs) else 1)
-    y0 = 0.95 * min(ys)
-    y1 = 1.05 * max(ys + ([cap] if show_cap else [])) + 1e-9
-    px = lambda p: L + (math.log2(p) - x0) / (x1 - x0) * (W - L - R_)
-    py = lambda y: H - B - (y - y0) / (y1 - y0) * (H - T - B)
-    c.line(L, H - B, W - R_, H - B, (0, 0, 0), 1)
-    c.line(L, T, L, H - B, (0, 0, 0), 1)
-    for p in sorted(set(xs)):
-        c.line(px(p), H - B, px(p), H - B + 5, (0, 0, 0), 1)
-        c.text(px(p) - 10, H - B + 10, f"{p // 1024}K" if p >= 1024 else str(p))
-    for frac in (0, 0.25, 0.5, 0.75, 1.0):
-        y = y0 + frac * (y1 - y0)
-        c.line(L - 5, py(y), L, py(y), (0, 0, 0), 1)
-        c.text(4, py(y) - 4, f"{y:.0f}")
-    c.text(L + 120, H - 22, "PROMPT LENGTH P (LOG2)")
-    c.text(4, 8, "PEAK RSS (MIB)")
-    if show_cap:
-        c.line(L, py(cap), W - R_, py(cap), (128, 128, 128), 1, dash=6)
-    legend_y = T + 10
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _series(results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for (m, g), pts in series.items():
-        dash = 0 if g == max(k[1] for k in series) else 8
-        for (pa, ya), (pb, yb) in zip(pts, pts[1:]):
-            c.line(px(pa), py(ya), px(pb), py(yb), _COLORS[m], 2, dash)
-        for p, y in pts:
-            c.dot(px(p) - 3, py(y) - 3, _COLORS[m], 6)
-        c.line(W - R_ + 10, legend_y + 4, W - R_ + 30, legend_y + 4, _COLORS[m], 2, dash // 2)
-        c.text(W - R_ + 36, legend_y, f"{'LS' if m == 'longstraw' else 'CONV'} G={g}")
-        legend_y += 18
-    c.line(W - R_ + 10, legend_y + 4, W - R_ + 30, legend_y + 4, (128, 128, 128), 1, 3)
-    c.text(W - R_ + 36, legend_y, f"CAP {cap:.0f}" + ("" if show_cap else " (OFF)"))
-    path.write_bytes(c.png())
-    return "pure-python PNG writer (matplotlib not installed)"
+        ax.plot(*zip(*pts), marker="o", linestyle="-" if g == max(k[1] for k in series) else "--",
+                color=[c / 255 for c in _COLORS[m]], label=f"{m} G={g}")
+    top = max(y for pts in series.values() for _, y in pts)
+    if cap_bytes / MiB <= 1.5 * top:
+        ax.axhline(cap_bytes / MiB, color="gray", linewidth=1, label="cap")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length P (tokens)")
+    ax.set_ylabel("peak RSS per process (MiB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"matplotlib {matplotlib.__version__}"
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
