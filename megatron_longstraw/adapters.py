@@ -1,4 +1,4 @@
-"""LoRA / QLoRA adapters on Megatron-Core linear layers (DESIGN section 5, `adapters.py`).
+"""LoRA / QLoRA adapters on Megatron-Core linear layers (docs/design.md section 5, `adapters.py`).
 
 `apply_lora(model, cfg, quantize_base)` swaps every targeted `ColumnParallelLinear`,
 `RowParallelLinear` or modelopt `Linear` in place for a `LoRALinear` that keeps Megatron's call
@@ -30,7 +30,7 @@ Library choices (bitsandbytes 0.50.2, peft 0.21.2, Megatron-Core 0.19.2, checked
   `bnb.nn.Linear4bit` targets. Using it would take patches in three places. The wrapper here is
   about a hundred lines.
 
-Parallelism: LongStraw runs TP = 1 (DESIGN section 3). A wrapper refuses a base layer whose tensor-
+Parallelism: LongStraw runs TP = 1 (docs/design.md section 3). A wrapper refuses a base layer whose tensor-
 parallel group is larger. Each adapter parameter copies its base weight's `allreduce` attribute, so
 adapters of dense layers are replicated parameters that finalize.py sums over DP x CP, and adapters
 of experts (allreduce=False under EP > 1) stay with their expert. `A` is seeded from the layer's
@@ -56,9 +56,10 @@ from torch import nn
 from megatron_longstraw import nf4
 from megatron_longstraw.nf4 import nf4_nbytes  # noqa: F401 (part of this module's API)
 
-QWEN36_TARGETS = ("linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2")
-GLM52_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-                 "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2")
+"""Megatron-Core's own names of the attention (linear_qkv, linear_proj), Gated DeltaNet / Mamba
+(in_proj, out_proj) and MLP (linear_fc1, linear_fc2) linears. The launcher passes the family's
+targets (`Family.lora_targets`, models/<family>/family.py)."""
 
 
 @dataclass
@@ -74,7 +75,7 @@ class LoRAConfig:
     replay pass): the no-grad passes (prompt capture, pre-step scoring of logp_old) see the
     deterministic adapters, so the captured prompt state is not one random dropout sample shared
     by every member. `.weight` readers (GLM-5.2's absorbed MLA product) see no dropout."""
-    targets: tuple[str, ...] = QWEN36_TARGETS
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     """Patterns (fnmatch) matched against a module's last name component or its full name."""
     exclude: tuple[str, ...] = ()
     """Patterns of modules to leave alone, e.g. "*.experts.*" for no expert adapters."""
@@ -323,7 +324,7 @@ def disable_adapters(model: nn.Module):
 def reference_view(model: nn.Module) -> nn.Module:
     """A module tree that shares every tensor with `model` (no copy) with all adapters off: the
     `ref_model` that schedule.forward_backward_longstraw captures and scores separately when
-    kl_coef > 0, so the reference gets its own prompt state, as DESIGN section 2 asks."""
+    kl_coef > 0, so the reference gets its own prompt state, as docs/design.md section 2 asks."""
     _merged_check(model, "reference_view")
 
     def twin(module: nn.Module) -> nn.Module:

@@ -17,9 +17,9 @@ import yaml
 
 from megatron_longstraw.adapters import LoRAConfig
 from megatron_longstraw.config import ADAPTER_KEYS, LongStrawConfig
+from megatron_longstraw.families import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
 
-FAMILIES = ("glm52", "qwen36")
 # Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see
 # kernels/select.py.
 KERNELS = KernelChoices(("auto", "ref", "flashmla", "triton", "deepgemm", "deepep", "te", "apex"))
@@ -31,8 +31,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Run the LongStraw GRPO schedule (capture once, replay each response).")
     group.add_argument("--longstraw-config", type=str, default=None,
                        help="YAML with `model:` and `longstraw:` sections; command-line flags win.")
-    group.add_argument("--longstraw-family", choices=FAMILIES, default="glm52",
-                       help="Model family.")
+    group.add_argument("--longstraw-family", choices=sorted(FAMILIES), default="glm52",
+                       help="Model family (megatron_longstraw/families.py).")
     group.add_argument("--longstraw-group-size", type=int, default=None,
                        help="G: responses per prompt (>= 2).")
     group.add_argument("--longstraw-max-response-len", type=int, default=None,
@@ -106,8 +106,8 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--longstraw-lora-targets", nargs="+", default=None, metavar="PATTERN",
                        help="Linear layers that get adapters: names or fnmatch patterns matched "
                             "against a module's last name component or its full name (default: "
-                            "the family's, adapters.GLM52_TARGETS / QWEN36_TARGETS). Each must "
-                            "match a linear layer of the model.")
+                            "the family's: Family.lora_targets, models/<family>/family.py). Each "
+                            "must match a linear layer of the model.")
     group.add_argument("--longstraw-lora-exclude", nargs="+", default=None, metavar="PATTERN",
                        help="Modules to leave without adapters, e.g. '*.experts.*'.")
     group.add_argument("--longstraw-save-merged", type=str, default=None, metavar="DIR",
@@ -293,8 +293,9 @@ def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
 def model_config_values(args: argparse.Namespace, given: set[str],
                         from_megatron: dict[str, tuple[str, Callable]]) -> dict:
     """The YAML `model:` section, overridden by the Megatron model flags that were given;
-    `from_megatron` maps a flag's dest to (config field, conversion): the family's table in
-    families.py (a Megatron default never overrides the YAML, only a flag on the command line)."""
+    `from_megatron` maps a flag's dest to (config field, conversion): the family record's
+    (models/<family>/family.py; a Megatron default never overrides the YAML, only a flag on the
+    command line)."""
     values = dict(load_yaml(args.longstraw_config).get("model", {}))
     for flag, (field, convert) in from_megatron.items():
         if flag in given and getattr(args, flag, None) is not None:

@@ -1,4 +1,4 @@
-"""Prompt capture (DESIGN section 2, step 1): run the shared prompt once through every layer without
+"""Prompt capture (docs/design.md section 2, step 1): run the shared prompt once through every layer without
 autograd and keep only the state that response tokens read, in a `PageStore`.
 
 The captured prefix is `prompt[:-1]`. The last prompt token is replayed with every member instead:
@@ -23,7 +23,7 @@ from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
 
 
 @dataclass
@@ -64,9 +64,10 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
         longest = max(CPLayout(None, layout.size, r).prompt_positions(num_captured).numel()
                       for r in range(layout.size))
         num_chunks = -(-longest // cfg.token_block)
-        state = AttentionPass(mode="capture", pages=pages, positions=positions, cp=layout,
-                              global_len=num_captured, query_block=cfg.query_block,
-                              key_block=cfg.key_block, token_block=cfg.token_block)
+        state = AttentionPass(mode="capture", pages=pages, positions=positions,
+                              cp=CPPass.for_capture(layout, num_captured),
+                              query_block=cfg.query_block, key_block=cfg.key_block,
+                              token_block=cfg.token_block)
         with torch.no_grad(), attention_pass(state):
             hidden = embed(model, prefix[positions])                # [n_local, 1, h]
             groups = decoder_groups(model)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_longstraw.schedule import GRPOGroup
+from megatron_longstraw.grpo import GRPOGroup
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file")
 RESPONSE_FIELDS = ("responses", "response_ids")

@@ -1,4 +1,4 @@
-"""Corrected gradient finalisation for the LongStraw schedule (DESIGN section 4).
+"""Corrected gradient finalisation for the LongStraw schedule (docs/design.md section 4).
 
 What Megatron-Core 0.19.2's stock `finalize_model_grads` gets wrong here. It finishes the gradient
 sync of `DistributedDataParallel`, which, by default, scales every gradient by 1 / (DP x CP) and
@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
+
+from megatron_longstraw.parallel import all_reduce_sum, gradient_groups, sum_grads
 
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
@@ -37,52 +38,17 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _groups():
-    from megatron.core import parallel_state as ps
-
-    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
-        return None, None, None
-    return (ps.get_data_parallel_group(with_context_parallel=True),
-            ps.get_expert_data_parallel_group(),
-            ps.get_expert_model_parallel_group())
-
-
-def _sum_grads(params: list[torch.nn.Parameter], group) -> None:
-    """SUM-all-reduce the gradients of `params` over `group`, one flat buffer per dtype."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    # A parameter no rank used (the DSA indexer: it only selects) keeps grad None, as it would in
-    # one process; one used elsewhere but not here joins the sum with zeros.
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
-    params = [p for p, u in zip(params, used.tolist()) if u]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for same in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for p in same:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
-
-
 def finalize_longstraw_grads(model: torch.nn.Module) -> None:
     """Sum partial gradients: non-expert over DP x CP, experts over expert-DP (no averaging)."""
-    dp_cp, expert_dp, _ = _groups()
+    dp_cp, expert_dp, _ = gradient_groups()
     params = [p for p in model.parameters() if p.requires_grad]
-    _sum_grads([p for p in params if not is_expert_param(p)], dp_cp)
-    _sum_grads([p for p in params if is_expert_param(p)], expert_dp)
+    sum_grads([p for p in params if not is_expert_param(p)], dp_cp)
+    sum_grads([p for p in params if is_expert_param(p)], expert_dp)
 
 
 def grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of the finalized gradient, each parameter counted once across CP, DP and EP."""
-    _, _, expert_mp = _groups()
+    _, _, expert_mp = gradient_groups()
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
@@ -93,8 +59,7 @@ def grad_norm(model: torch.nn.Module) -> float:
             expert_sq += sq
         else:
             dense_sq += sq
-    if expert_mp is not None and dist.get_world_size(expert_mp) > 1:
-        dist.all_reduce(expert_sq, group=expert_mp)   # distinct experts on each EP rank
+    all_reduce_sum(expert_sq, expert_mp)   # distinct experts on each EP rank
     return math.sqrt(float(dense_sq + expert_sq))
 
 

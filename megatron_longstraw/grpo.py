@@ -14,6 +14,9 @@ Divisors. The loss is a mean over members (``1/G``) of per-member token means
 contribution *already scaled by* ``1/(G*R_i)``. Nothing divides again later:
 the group loss and its gradients are plain sums over members, which is exactly
 what :func:`grpo_loss` computes and what a per-member schedule must reproduce.
+
+:class:`GRPOGroup` is the input all of this is about (one prompt, its G responses and rewards);
+data.py reads it, schedule.py steps on it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRPOLossConfig", "group_advantages", "member_loss", "grpo_loss", "validate_group"]
+__all__ = ["GRPOGroup", "GRPOLossConfig", "group_advantages", "member_loss", "grpo_loss",
+           "validate_group"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,21 @@ class GRPOLossConfig:
             raise ValueError(f"GRPOLossConfig.kl_coef={self.kl_coef!r} must be finite and >= 0 (0 disables KL).")
         if not (self.adv_eps > 0.0 and math.isfinite(self.adv_eps)):
             raise ValueError(f"GRPOLossConfig.adv_eps={self.adv_eps!r} must be finite and > 0 (e.g. 1e-6).")
+
+
+@dataclass
+class GRPOGroup:
+    """One prompt and its group of responses."""
+
+    prompt_ids: torch.Tensor
+    """[P] token ids of the shared prompt."""
+    response_ids: list[torch.Tensor]
+    """G tensors [R_i] of response token ids."""
+    rewards: torch.Tensor
+    """[G] scalar rewards."""
+    logps_old: list[torch.Tensor] | None = None
+    """Optional [R_i] log-probs from the inference engine that sampled the responses; when given
+    they are the PPO ratio's denominator (else the pre-step scoring pass provides it)."""
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:

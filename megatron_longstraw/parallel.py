@@ -1,5 +1,5 @@
 """Process groups for LongStraw: TP = PP = 1, context parallel (CP) and expert parallel (EP) folded
-on the same ranks (DESIGN section 3), and the collectives the schedule needs."""
+on the same ranks (docs/design.md section 3), and the collectives the schedule needs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longstraw import platform
+from megatron_longstraw.kernels.refs import lse_merge_weights
 
 
 def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, seed: int = 1234,
@@ -221,7 +222,8 @@ def merge_partials_by_lse(out: torch.Tensor, lse: torch.Tensor, layout: CPLayout
     With m the row maximum of lse over ranks (a constant: the result does not depend on it),
     merged = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m); numerator and denominator are
     reduce-scattered together, so a rank holds its own partial plus 1 / size of the sums, never
-    every rank's partials."""
+    every rank's partials. The weights are `kernels.refs.lse_merge_weights`, the one merge rule
+    (`merge_partial_attention` is its single-process form)."""
     if layout.size == 1:
         return out
     with torch.no_grad():
@@ -229,7 +231,7 @@ def merge_partials_by_lse(out: torch.Tensor, lse: torch.Tensor, layout: CPLayout
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=layout.group)
         shift = shift.nan_to_num(neginf=0.0)                  # rows no rank sees anything of
     acc = torch.promote_types(out.dtype, torch.float32)      # sums in float32 or wider
-    weight = torch.exp(lse.to(acc) - shift.to(acc))[..., None]   # [s, h, 1], 0 where lse = -inf
+    weight = lse_merge_weights(lse.to(acc), shift.to(acc))[..., None]  # [s, h, 1], 0 where -inf
     packed = torch.cat([weight * out.to(acc), weight], -1)    # [s, h, d + 1]
     mine = _ReduceScatterRows.apply(packed, layout.group, layout.size, layout.rank)
     numerator, denominator = mine[..., :-1], mine[..., -1:]
@@ -432,3 +434,44 @@ def current_sizes() -> dict:
         return {}
     return {"context_parallel_size": ps.get_context_parallel_world_size(),
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size()}
+
+
+# ---- Gradient collectives (finalize.py) ----------------------------------------------------------
+
+def gradient_groups():
+    """(DP x CP group, expert-DP group, expert-model-parallel group) of the initialised Megatron
+    state, or (None, None, None) without a process group: the groups a gradient is summed over
+    (non-expert, expert) and the one whose ranks hold distinct experts (for norms and counts)."""
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        return None, None, None
+    return (ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_data_parallel_group(),
+            ps.get_expert_model_parallel_group())
+
+
+def sum_grads(params: list[torch.nn.Parameter], group) -> None:
+    """SUM-all-reduce the gradients of `params` over `group`, one flat buffer per dtype (no-op
+    without a group or on a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    # A parameter no rank used (the DSA indexer: it only selects) keeps grad None, as it would in
+    # one process; one used elsewhere but not here joins the sum with zeros.
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+    params = [p for p, u in zip(params, used.tolist()) if u]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for same in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in same:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n

@@ -2,7 +2,8 @@
 
 Nothing outside this file knows whether it runs on CPU. Each entry names the Megatron-Core 0.19.2
 function it covers, why it is needed, and why results are unchanged. On a CUDA machine `apply()` does
-nothing and Megatron runs unmodified.
+nothing and Megatron runs unmodified. (The float64 reference-precision switches, which apply on any
+device, are in precision.py.)
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from megatron_longstraw.models.norms import ZeroCenteredRMSNorm, l2norm
 
 _APPLIED = False
 
@@ -142,179 +145,6 @@ class _CPUStream:
 _CPU_STREAM = _CPUStream()
 
 
-_FP64_ROUTING = False
-
-
-def enable_fp64_routing() -> None:
-    """Keep MoE sigmoid routing in float64 when the model runs in float64 (reference precision).
-
-    Megatron-Core 0.19.2 `moe_utils.topk_routing_with_score_function` computes sigmoid scores as
-    `torch.sigmoid(logits.float())`, whatever the logits' dtype. In a float64 model that rounds the
-    routing weights to float32 (~6e-8 relative), so two float64 computations of the same token that
-    differ in the last bit of a logit can differ by ~1e-10 downstream: too coarse for fp64 parity
-    tests. This wrapper applies only to float64 logits with sigmoid scores and no group limit,
-    replay or precomputed indices, and computes exactly Megatron's formula (top-k of
-    sigmoid + expert_bias, weights sigmoid at the chosen experts normalised and scaled) in float64.
-    Everything else, bf16 and fp32 training included, calls Megatron's function unchanged.
-    """
-    global _FP64_ROUTING
-    if _FP64_ROUTING:
-        return
-    _FP64_ROUTING = True
-    from megatron.core.transformer.moe import moe_utils, router
-
-    original = moe_utils.topk_routing_with_score_function
-
-    def routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
-                scaling_factor=None, score_function="softmax", expert_bias=None, fused=False,
-                router_replay=None, dense_output=False, precomputed_indices=None):
-        if (logits.dtype != torch.float64 or score_function != "sigmoid" or fused
-                or (num_groups or 1) > 1 or router_replay is not None
-                or precomputed_indices is not None):
-            return original(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                            score_function, expert_bias, fused, router_replay, dense_output,
-                            precomputed_indices)
-        scores = torch.sigmoid(logits)
-        choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
-        top_indices = torch.topk(choice, k=topk, dim=1).indices
-        probs = scores.gather(1, top_indices)
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else probs
-        if scaling_factor:
-            probs = probs * scaling_factor
-        if dense_output:
-            return probs, top_indices
-        routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
-        routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
-        return routing_probs, routing_map
-
-    router.topk_routing_with_score_function = routing
-
-
-_FP64_GDN = False
-
-
-def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6,
-                  output_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """FLA's `l2norm` (`fla.modules.l2norm`, also transformers' Qwen3.5 `l2norm`) in PyTorch:
-    x * rsqrt(sum(x^2) + eps) over `dim`, computed in float32 or wider, returned in x's dtype."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(acc)
-    y = y * torch.rsqrt((y * y).sum(dim=dim, keepdim=True) + eps)
-    return y.to(output_dtype or x.dtype)
-
-
-def _chunk_gated_delta_rule_fp64(q, k, v, g, beta, chunk_size=64, initial_state=None,
-                                 output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                 cu_seqlens=None):
-    """Megatron-Core 0.19.2 `torch_chunk_gated_delta_rule` with every step in float64 (the original
-    casts q, k, v, g, beta, the decay mask and the state to float32). Same arguments, same chunked
-    algorithm, same order of operations; returns (out [b, s, H_v, d_v] float64, final state
-    [b, H_v, d_k, d_v] float64 or None)."""
-    import torch.nn.functional as F
-
-    assert cu_seqlens is None, "cu_seqlens is not supported by torch_chunk_gated_delta_rule."
-    f64 = torch.float64
-    if use_qk_l2norm_in_kernel:
-        q, k = _torch_l2norm(q), _torch_l2norm(k)
-    q, k, v, beta, g = [x.transpose(1, 2).contiguous().to(f64) for x in (q, k, v, beta, g)]
-    batch, heads, length, k_dim = k.shape
-    v_dim = v.shape[-1]
-    pad = (chunk_size - length % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
-    q = q * k_dim ** -0.5
-    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    q, k, v, k_beta, v_beta = (x.reshape(batch, heads, -1, chunk_size, x.shape[-1])
-                               for x in (q, k, v, k_beta, v_beta))
-    g = g.reshape(batch, heads, -1, chunk_size).cumsum(dim=-1)
-    upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), 0)
-    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).tril().exp().tril()
-    attn = -((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0)
-    for i in range(1, chunk_size):
-        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk_size, dtype=f64, device=q.device)
-    v = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp().unsqueeze(-1))
-    state = (torch.zeros(batch, heads, k_dim, v_dim, dtype=f64, device=q.device)
-             if initial_state is None else initial_state.to(f64))
-    out = torch.zeros_like(v)
-    strict_upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), 1)
-    for i in range(g.shape[2]):
-        q_i, k_i, v_i = q[:, :, i], k[:, :, i], v[:, :, i]
-        attn_i = (q_i @ k_i.transpose(-1, -2) * decay[:, :, i]).masked_fill_(strict_upper, 0)
-        v_new = v_i - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = (q_i * g[:, :, i, :, None].exp()) @ state + attn_i @ v_new
-        state = (state * g[:, :, i, -1, None, None].exp()
-                 + (k_i * (g[:, :, i, -1, None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2)
-                 @ v_new)
-    out = out.reshape(batch, heads, -1, v_dim)[:, :, :length].transpose(1, 2).contiguous()
-    return out, (state if output_final_state else None)
-
-
-def enable_fp64_gdn() -> None:
-    """Keep Gated DeltaNet and the gated attention's output gate in float64 when the model runs in
-    float64 (reference precision for parity tests).
-
-    Megatron-Core 0.19.2 computes these pieces in float32 whatever the input dtype:
-    `gated_delta_net.common.torch_chunk_gated_delta_rule` (casts q, k, v, g, beta and the state to
-    float32; FLA's chunk kernel does the same), `_GDNBase._compute_g_and_beta` (`alpha.float()`),
-    `_GDNBase._apply_gated_norm` (`gate.float()`) and `Attention._apply_output_gate`
-    (`gate.float()`). In a float64 model that rounds to ~6e-8 relative, too coarse for fp64 parity
-    tests. The wrappers below apply only to float64 inputs and compute exactly Megatron's formulas
-    (the same chunked delta-rule algorithm; g = -exp(A_log) * softplus(alpha + dt_bias),
-    beta = sigmoid(beta); out_norm(x) * act(gate); x * sigmoid(gate)) in float64. Everything else,
-    bf16 and fp32 training included, calls Megatron's functions unchanged. Call before building the
-    model (GatedDeltaNet picks its delta-rule function when it is constructed).
-    """
-    global _FP64_GDN
-    apply()  # on CPU the delta-rule choice of entry 6 must be in place before it is wrapped
-    if _FP64_GDN:
-        return
-    _FP64_GDN = True
-    import torch.nn.functional as F
-    from megatron.core.ssm.gated_delta_net import common as gdn_common
-    from megatron.core.ssm.gated_delta_net import gdn as gdn_module
-    from megatron.core.transformer.attention import Attention
-
-    def fp64_rule(original):
-        def rule(q, k, v, g, beta, *args, **kwargs):
-            if v.dtype == torch.float64:
-                return _chunk_gated_delta_rule_fp64(q, k, v, g, beta, *args, **kwargs)
-            return original(q, k, v, g, beta, *args, **kwargs)
-        return rule
-
-    for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
-        if getattr(gdn_module, name, None) is not None:
-            setattr(gdn_module, name, fp64_rule(getattr(gdn_module, name)))
-
-    g_and_beta = gdn_common._GDNBase._compute_g_and_beta
-
-    def compute_g_and_beta(self, A_log, dt_bias, alpha, beta):
-        if alpha.dtype != torch.float64:
-            return g_and_beta(self, A_log, dt_bias, alpha, beta)
-        return -A_log.exp() * F.softplus(alpha + dt_bias), beta.sigmoid()
-
-    gated_norm = gdn_common._GDNBase._apply_gated_norm
-
-    def apply_gated_norm(self, x, gate):
-        if x.dtype != torch.float64:
-            return gated_norm(self, x, gate)
-        y = self.out_norm(x.reshape(-1, x.shape[-1]))
-        return y * self.act_fn(gate.reshape(-1, gate.shape[-1]))
-
-    output_gate = Attention._apply_output_gate
-
-    def apply_output_gate(self, x, gate):
-        if x.dtype != torch.float64:
-            return output_gate(self, x, gate)
-        return x * torch.sigmoid(gate.contiguous().view(*x.shape))
-
-    gdn_common._GDNBase._compute_g_and_beta = compute_g_and_beta
-    gdn_common._GDNBase._apply_gated_norm = apply_gated_norm
-    Attention._apply_output_gate = apply_output_gate
-
-
 def _apply_without_transformer_engine() -> None:
     """Adaptations needed wherever TransformerEngine is not importable (CPU, or a GPU without TE).
 
@@ -332,13 +162,11 @@ def _apply_without_transformer_engine() -> None:
     # 7. The same final norm for models with `layernorm_zero_centered_gamma` (Qwen3.5/3.6:
     #    y = x / rms(x) * (1 + weight)). Why: WrappedTorchNorm asserts the flag is off (torch's
     #    RMSNorm has no zero-centred gain), while TENorm supports it. Unchanged: the local
-    #    `ZeroCenteredRMSNorm` (models/qwen36/spec.py) computes TE's zero-centred RMSNorm formula
+    #    `ZeroCenteredRMSNorm` (models/norms.py) computes TE's zero-centred RMSNorm formula
     #    with the same eps and parameter name (`final_norm.weight`); models without the flag still
     #    get WrappedTorchNorm. On a GPU without TE as on the CPU.
     def final_norm(config, hidden_size, eps=1e-5, **kwargs):
         if config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm":
-            from megatron_longstraw.models.qwen36.spec import ZeroCenteredRMSNorm
-
             return ZeroCenteredRMSNorm(config=config, hidden_size=hidden_size, eps=eps)
         return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
 
@@ -405,12 +233,13 @@ def apply() -> None:
     #    called by `_GDNBase._prepare_input_for_gated_delta_rule` on q and k, and
     #    `gdn.chunk_gated_delta_rule`, which `GatedDeltaNet._setup_variant_attrs` picks unless
     #    `deterministic_mode`. Why: Triton kernels need a GPU ("0 active drivers"). Unchanged: the
-    #    l2norm is FLA's formula x * rsqrt(sum(x^2) + 1e-6) (transformers' too) in float32 or wider,
+    #    l2norm (models/norms.py) is FLA's formula x * rsqrt(sum(x^2) + 1e-6) (transformers' too)
+    #    in float32 or wider,
     #    and the delta rule becomes `torch_chunk_gated_delta_rule`, Megatron's own PyTorch
     #    implementation of the same rule (its deterministic mode), in float32 like FLA's kernel.
     from megatron.core.ssm.gated_delta_net import common as gdn_common
     from megatron.core.ssm.gated_delta_net import gdn as gdn_module
 
     if gdn_common.HAVE_FLA:
-        gdn_common.l2norm = _torch_l2norm
+        gdn_common.l2norm = l2norm
         gdn_module.chunk_gated_delta_rule = gdn_common.torch_chunk_gated_delta_rule

@@ -68,7 +68,7 @@ def page_bytes_summary(by_kind_per_rank: list[dict[str, int]], fixed_kinds: list
         fixed_page_kinds             sorted; their bytes do not grow with the prompt
         fixed_page_bytes             bytes of the fixed kinds over all ranks
         sequence_page_bytes          bytes of every other kind (rows per prompt token)
-        page_bytes_per_token         sequence_page_bytes / num_tokens (DESIGN section 9)
+        page_bytes_per_token         sequence_page_bytes / num_tokens (docs/design.md section 9)
     """
     total: dict[str, int] = {}
     for by_kind in by_kind_per_rank:
@@ -99,7 +99,8 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     import torch.distributed as dist
 
     from megatron_longstraw.adapters import lora_modules, nf4_module_bytes
-    from megatron_longstraw.finalize import _groups, is_expert_param
+    from megatron_longstraw.finalize import is_expert_param
+    from megatron_longstraw.parallel import gradient_groups
 
     counts = torch.zeros(2, 3, dtype=torch.int64)   # [dense, expert] x [trainable, total, NF4 B]
     for param in model.parameters():
@@ -113,7 +114,7 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
             counts[row, 1] += module.out_features * module.in_features
             counts[row, 2] += nf4_module_bytes(module)
     per_rank = counts[:, 2].sum().reshape(1)
-    _, _, expert_mp = _groups()
+    _, _, expert_mp = gradient_groups()
     if expert_mp is not None and dist.get_world_size(expert_mp) > 1:
         dist.all_reduce(counts[1], group=expert_mp)      # distinct experts on each EP rank
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
@@ -133,3 +134,106 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def step_memory(peak_saved_tensor_bytes: int, page_bytes: int) -> dict[str, torch.Tensor]:
+    """What a step logs (and the receipt records) about memory, over all ranks (collective): the
+    largest peak RSS and peak saved-tensor bytes of any rank, and the page bytes of all ranks.
+    `peak_saved_tensor_bytes`: this rank's `SavedTensorMeter.peak_bytes`; `page_bytes`: this
+    rank's `StepResult.page_bytes`."""
+    import torch.distributed as dist
+
+    from megatron_longstraw.memory import peak_rss_bytes
+
+    peaks = torch.tensor([peak_rss_bytes(), peak_saved_tensor_bytes, page_bytes],
+                         dtype=torch.float64)
+    dist.all_reduce(peaks[:2], op=dist.ReduceOp.MAX)
+    page_total = peaks[2:].clone()
+    dist.all_reduce(page_total)
+    return {"memory/peak_rss_bytes": peaks[0], "memory/peak_saved_tensor_bytes": peaks[1],
+            "memory/page_bytes_all_ranks": page_total[0]}
+
+
+def step_receipt(*, name: str, family: str, config: str | None, group, result, memory: dict,
+                 params: dict, meta: dict, sizes: dict, dtype: torch.dtype, steps: int,
+                 start: float) -> dict:
+    """The receipt of a run's last step (collective: every rank calls it; rank 0 writes it).
+
+    `group`: the last `GRPOGroup`; `result`: its `StepResult`; `memory`: its `step_memory`;
+    `params`: `parameter_counts(model)`; `meta`:
+    what the run's checkpoints record (initial weights, LoRA); `sizes`: `world_size`,
+    `context_parallel_size`, `expert_parallel_size`, `data_parallel_size`; `steps`: the run's
+    last step + 1; `start`: `time.perf_counter()` when the run began."""
+    import time
+
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (result.page_bytes_by_kind, result.fixed_page_kinds))
+    pages = page_bytes_summary([by_kind for by_kind, _ in per_rank],
+                               [kind for _, fixed in per_rank for kind in fixed],
+                               num_tokens=int(group.prompt_ids.numel()) - 1)
+    return {
+        "name": name,
+        "family": family,
+        "config": config,
+        "prompt_len": int(group.prompt_ids.numel()),
+        "group_size": len(group.response_ids),
+        "response_lens": [int(r.numel()) for r in group.response_ids],
+        "rewards": [float(r) for r in group.rewards],
+        "page_bytes": int(memory["memory/page_bytes_all_ranks"]),
+        "page_bytes_per_rank": result.page_bytes,
+        **pages,
+        "peak_rss_bytes": int(memory["memory/peak_rss_bytes"]),
+        "peak_saved_tensor_bytes": int(memory["memory/peak_saved_tensor_bytes"]),
+        "phase_seconds": result.phase_seconds,
+        "loss": result.loss,
+        "stats": result.stats,
+        "steps": steps,
+        "total_seconds": time.perf_counter() - start,
+        **sizes,
+        "dtype": str(dtype).replace("torch.", ""),
+        **params,
+        "lora": meta["lora"] and {k: v for k, v in meta["lora"].items() if k != "base"},
+        "initial_weights": meta["initial_weights"],
+        "environment": environment(),
+    }
+
+
+def step_summary(receipt: dict, *, model: str, lora, backend: str, path: Path) -> str:
+    """The table rank 0 prints after a run, from its receipt. `model`: the family's description of
+    the model; `lora`: the run's `LoRASettings` or None; `backend`: the process group's backend;
+    `path`: where the receipt was written."""
+    phase = receipt["phase_seconds"]
+    if lora is not None and lora.quantize_base:
+        adapters = (f" ({lora.describe()}; NF4 base {human_bytes(receipt['nf4_base_bytes'])}, "
+                    f"{human_bytes(receipt['nf4_base_bytes_per_rank'])} per rank)")
+    else:
+        adapters = f" ({lora.describe()})" if lora is not None else ""
+    rows = [
+        ("model", f"{receipt['family']} ({model})"),
+        ("parallel", f"{receipt['world_size']} processes, CP={receipt['context_parallel_size']}, "
+                     f"EP={receipt['expert_parallel_size']}, DP={receipt['data_parallel_size']} "
+                     f"({backend})"),
+        ("parameters", f"{receipt['trainable_params']:,} trainable of {receipt['total_params']:,}"
+                       + adapters),
+        ("prompt / group", f"{receipt['prompt_len']} tokens, G={receipt['group_size']}, responses "
+                           f"{receipt['response_lens']}"),
+        ("capture", f"{phase['capture']:.1f} s"),
+        ("scoring", f"{phase['scoring']:.1f} s"),
+        ("replay+backward", f"{phase['replay']:.1f} s"),
+        ("page bytes", f"{human_bytes(receipt['page_bytes'])} in all, "
+                       f"{human_bytes(receipt['page_bytes_per_rank'])} on rank 0 "
+                       f"({receipt['page_bytes_per_token']:.0f} B/token)"),
+        ("pages by kind", ", ".join(
+            f"{kind} {human_bytes(nbytes)}"
+            + (" (fixed)" if kind in receipt["fixed_page_kinds"] else "")
+            for kind, nbytes in receipt["page_bytes_by_kind"].items())),
+        ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
+        ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
+        ("loss", f"{receipt['loss']:.6f}"),
+        ("mean reward", f"{receipt['stats']['reward_mean']:.3f}"),
+        ("grad norm", f"{receipt['stats']['grad_norm']:.4f}"),
+        ("receipt", str(path)),
+    ]
+    return "LongStraw GRPO step\n" + format_table(rows)

@@ -1,4 +1,4 @@
-"""Pre-step scoring and serial replay (DESIGN section 2, steps 2 and 3).
+"""Pre-step scoring and serial replay (docs/design.md section 2, steps 2 and 3).
 
 A member's branch is `[x_P, y_1 .. y_{R-1}]` at positions `P-1 .. P+R-2` over the captured prefix;
 its outputs score `y_1 .. y_R`. Scoring runs the branch without autograd and records each full DSA
@@ -8,7 +8,7 @@ the next member starts. Live autograd memory is one branch, whatever P and G.
 
 Under context parallelism each rank owns a contiguous share of the branch rows (padded to equal
 shares) for token-wise work and the loss; attention exchanges queries and partial outputs
-(`LongStrawMLASelfAttention._replay_context_parallel`).
+(`models/context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megatron_longstraw import parallel
 from megatron_longstraw.capture import CapturedPrompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
 
 
 @dataclass
@@ -55,19 +55,13 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor) -> Branch:
 
 
 def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
-          selections: dict | None) -> AttentionPass:
-    layout = captured.layout
-    state = AttentionPass(mode="replay", positions=branch.positions, pages=captured.pages,
-                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
-                          reuse_selections=selections is not None, query_block=cfg.query_block,
-                          key_block=cfg.key_block, token_block=cfg.token_block, cp=layout)
-    if layout.size > 1:
-        state.prefix_positions = captured.positions
-        state.branch_len = branch.padded_length
-        state.branch_positions = torch.arange(captured.prefix_len,
-                                              captured.prefix_len + branch.padded_length,
-                                              device=branch.positions.device)
-    return state
+          selections: dict | None, mode: str = "replay") -> AttentionPass:
+    cp = CPPass.for_branch(captured.layout, captured.positions, captured.prefix_len,
+                           branch.padded_length)
+    return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
+                         prefix_len=captured.prefix_len, selections=dict(selections or {}),
+                         reuse_selections=selections is not None, query_block=cfg.query_block,
+                         key_block=cfg.key_block, token_block=cfg.token_block, cp=cp)
 
 
 def _run_branch(model, captured: CapturedPrompt, branch: Branch, checkpoint_layers: bool):
@@ -96,7 +90,7 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     selections it used (global key positions, int32, kept in host memory when pages are offloaded:
     all G members' selections wait for replay, [R, top-k] per full indexer layer each)."""
     branch = make_branch(captured, response_ids)
-    state = _pass(captured, branch, cfg, selections=None)
+    state = _pass(captured, branch, cfg, selections=None, mode="score")
     with torch.no_grad(), attention_pass(state):
         logp = _run_branch(model, captured, branch, checkpoint_layers=False)
     keep = "cpu" if cfg.offload_pages else None
@@ -118,7 +112,7 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     Returns the member's log-probs [R] (detached, whole member on every rank).
     """
     branch = make_branch(captured, response_ids)
-    state = _pass(captured, branch, cfg, selections=selections)
+    state = _pass(captured, branch, cfg, selections=selections, mode="replay")
     with attention_pass(state):  # backward recomputes checkpointed layers: keep the pass installed
         logp = _run_branch(model, captured, branch, cfg.checkpoint_layers)
         num_valid = int(branch.valid.sum())

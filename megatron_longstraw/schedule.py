@@ -1,4 +1,4 @@
-"""The LongStraw GRPO step (DESIGN section 2), in Megatron's forward-backward-function style.
+"""The LongStraw GRPO step (docs/design.md section 2), in Megatron's forward-backward-function style.
 
     capture(prompt)                         no autograd; pages hold what responses read
     for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
@@ -18,25 +18,15 @@ import torch
 
 from megatron_longstraw.capture import capture_prompt
 from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import group_advantages, member_loss, validate_group
+from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOGroup` still works
+    GRPOGroup,
+    group_advantages,
+    member_loss,
+    validate_group,
+)
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, check_agreement, fail_together
 from megatron_longstraw.replay import replay_member, score_member
-
-
-@dataclass
-class GRPOGroup:
-    """One prompt and its group of responses."""
-
-    prompt_ids: torch.Tensor
-    """[P] token ids of the shared prompt."""
-    response_ids: list[torch.Tensor]
-    """G tensors [R_i] of response token ids."""
-    rewards: torch.Tensor
-    """[G] scalar rewards."""
-    logps_old: list[torch.Tensor] | None = None
-    """Optional [R_i] log-probs from the inference engine that sampled the responses; when given
-    they are the PPO ratio's denominator (else the pre-step scoring pass provides it)."""
 
 
 @dataclass

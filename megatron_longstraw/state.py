@@ -7,10 +7,14 @@ capture and replay install an `AttentionPass` for the duration of a pass (`with 
 and the attention modules read it. Outside a pass, the attention layers run the plain full-sequence
 forward from position 0, so the model is still an ordinary Megatron model.
 
-Modes:
+Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
 - `capture`: the current tokens are the prompt; their state is written to `pages` (no autograd).
-- `replay`:  the current tokens are one response; keys are the prompt pages plus the current tokens.
+- `score`:   the current tokens are one response, keys the prompt pages plus the current tokens,
+             without autograd (pre-step scoring: logp_old, logp_ref, the DSA selections replay
+             reuses).
+- `replay`:  the same pass under autograd (one member's training graph).
+The prompt backward and decoding will be two more modes of the same dispatch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,51 @@ import torch
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 
-Mode = Literal["full", "capture", "replay"]
+Mode = Literal["full", "capture", "score", "replay"]
+BRANCH_MODES = ("score", "replay")
+"""Modes whose current tokens are a response branch over captured pages."""
+
+
+@dataclass(frozen=True)
+class CPPass:
+    """The context-parallel part of a pass, fixed when the pass is made (`for_capture`,
+    `for_branch`); size 1 (the default) is one process holding everything."""
+
+    layout: CPLayout = field(default_factory=CPLayout)
+    """The CP group, size and this rank."""
+    global_len: int = 0
+    """Capture: tokens in the whole captured prefix (all ranks)."""
+    prefix_positions: Optional[torch.Tensor] = None
+    """Branch passes: global positions of this rank's captured rows (its pages, in order)."""
+    branch_positions: Optional[torch.Tensor] = None
+    """Branch passes: global positions of the whole (padded) branch, the same on every rank."""
+    branch_len: int = 0
+    """Branch passes: rows of the padded branch (CP * rows per rank)."""
+
+    @classmethod
+    def for_capture(cls, layout: CPLayout, global_len: int) -> "CPPass":
+        return cls(layout=layout, global_len=global_len)
+
+    @classmethod
+    def for_branch(cls, layout: CPLayout, prefix_positions: torch.Tensor, prefix_len: int,
+                   padded_len: int) -> "CPPass":
+        if layout.size == 1:
+            return cls(layout=layout)
+        branch = torch.arange(prefix_len, prefix_len + padded_len, device=prefix_positions.device)
+        return cls(layout=layout, prefix_positions=prefix_positions, branch_positions=branch,
+                   branch_len=padded_len)
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def group(self):
+        return self.layout.group
 
 
 @dataclass
@@ -44,7 +92,7 @@ class AttentionPass:
     """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
     prompt_state_grad: bool = False
     """Read prompt pages as `requires_grad` leaves (`PageStore.leaf`) so that d loss / d state is
-    available after backward: the hook for the exact prompt-gradient mode (DESIGN section 7)."""
+    available after backward: the hook for the exact prompt-gradient mode (docs/design.md section 7)."""
     used_selections: Optional[dict[int, torch.Tensor]] = None
     """When a dict, every layer records the top-k it attended with (tests, diagnostics)."""
     query_block: int = 1024
@@ -53,16 +101,8 @@ class AttentionPass:
     """Keys per indexer-score block (bounds the `[block_q, h_i, block_k]` scores)."""
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
-    cp: CPLayout = field(default_factory=CPLayout)
-    """Context-parallel layout (size 1: everything on this process)."""
-    global_len: int = 0
-    """Capture under CP: tokens in the whole captured prefix (all ranks)."""
-    prefix_positions: Optional[torch.Tensor] = None
-    """Replay under CP: global positions of this rank's captured rows (its pages, in order)."""
-    branch_positions: Optional[torch.Tensor] = None
-    """Replay under CP: global positions of the whole (padded) branch, on every rank."""
-    branch_len: int = 0
-    """Replay under CP: rows of the padded branch (CP * rows per rank)."""
+    cp: CPPass = field(default_factory=CPPass)
+    """Context-parallel part (size 1: everything on this process); frozen."""
 
 
 _CURRENT: list[AttentionPass] = []

@@ -251,24 +251,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw import parallel
-    from megatron_longstraw.memory import SavedTensorMeter, peak_rss_bytes
+    from megatron_longstraw import parallel, precision
+    from megatron_longstraw.kernels import select
+    from megatron_longstraw.memory import SavedTensorMeter
     from megatron_longstraw.metrics import ProgressBar, StepLogger
     from megatron_longstraw.receipts import (
-        environment,
-        format_table,
-        human_bytes,
-        page_bytes_summary,
         parameter_counts,
+        step_memory,
+        step_receipt,
+        step_summary,
         write_json_atomic,
     )
     from megatron_longstraw.schedule import train_step
 
-    from megatron_longstraw.kernels import select
-
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
     select.use(ls.kernels)  # an explicit backend whose package is missing fails here, at start
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
+    precision.use_dtype(dtype)  # float64: Megatron's float32 islands kept in float64
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     run = setup_model(args, family, model_cfg, dtype, ls, lora, ep)
@@ -290,14 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
             result = train_step(model, optimizer, group, ls, ref_model=run.ref_model,
                                 max_grad_norm=args.clip_grad, loss_scale=1.0 / dp_size,
                                 progress=bar)
-        peaks = torch.tensor([peak_rss_bytes(), meter.peak_bytes, result.page_bytes],
-                             dtype=torch.float64)
-        dist.all_reduce(peaks[:2], op=dist.ReduceOp.MAX)
-        page_total = peaks[2:].clone()
-        dist.all_reduce(page_total)
-        logger.log(step, result, {"memory/peak_rss_bytes": peaks[0],
-                                  "memory/peak_saved_tensor_bytes": peaks[1],
-                                  "memory/page_bytes_all_ranks": page_total[0]})
+        memory = step_memory(meter.peak_bytes, result.page_bytes)
+        logger.log(step, result, memory)
         if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
             from megatron_longstraw.checkpoint import save_checkpoint
 
@@ -314,68 +307,16 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"merged weights written to {args.longstraw_save_merged}", flush=True)
     if result is None:
         return {}
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, (result.page_bytes_by_kind, result.fixed_page_kinds))
-    pages = page_bytes_summary([by_kind for by_kind, _ in per_rank],
-                               [kind for _, fixed in per_rank for kind in fixed],
-                               num_tokens=int(group.prompt_ids.numel()) - 1)
-    receipt = {
-        "name": args.longstraw_run_name,
-        "family": family,
-        "config": args.longstraw_config,
-        "prompt_len": int(group.prompt_ids.numel()),
-        "group_size": len(group.response_ids),
-        "response_lens": [int(r.numel()) for r in group.response_ids],
-        "rewards": [float(r) for r in group.rewards],
-        "page_bytes": int(page_total[0]),
-        "page_bytes_per_rank": result.page_bytes,
-        **pages,
-        "peak_rss_bytes": int(peaks[0]),
-        "peak_saved_tensor_bytes": int(peaks[1]),
-        "phase_seconds": result.phase_seconds,
-        "loss": result.loss,
-        "stats": result.stats,
-        "steps": total_iters,
-        "total_seconds": time.perf_counter() - start,
-        "world_size": world,
-        "context_parallel_size": cp,
-        "expert_parallel_size": ep,
-        "data_parallel_size": dp_size,
-        "dtype": str(dtype).replace("torch.", ""),
-        **params,
-        "lora": run.meta["lora"] and {k: v for k, v in run.meta["lora"].items() if k != "base"},
-        "initial_weights": run.meta["initial_weights"],
-        "environment": environment(),
-    }
+    receipt = step_receipt(
+        name=args.longstraw_run_name, family=family, config=args.longstraw_config, group=group,
+        result=result, memory=memory, params=params, meta=run.meta,
+        sizes={"world_size": world, "context_parallel_size": cp, "expert_parallel_size": ep,
+               "data_parallel_size": dp_size},
+        dtype=dtype, steps=total_iters, start=start)
     if rank != 0:
         return receipt
     path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
                              receipt)
-    rows = [
-        ("model", f"{family} ({get_family(family).describe(model_cfg)})"),
-        ("parallel", f"{world} processes, CP={cp}, EP={ep}, DP={dp_size} "
-                     f"({dist.get_backend()})"),
-        ("parameters", f"{params['trainable_params']:,} trainable of {params['total_params']:,}"
-                       + (f" ({lora.describe()}; NF4 base {human_bytes(params['nf4_base_bytes'])}, "
-                          f"{human_bytes(params['nf4_base_bytes_per_rank'])} per rank)"
-                          if lora is not None and lora.quantize_base else
-                          f" ({lora.describe()})" if lora is not None else "")),
-        ("prompt / group", f"{receipt['prompt_len']} tokens, G={receipt['group_size']}, responses "
-                           f"{receipt['response_lens']}"),
-        ("capture", f"{result.phase_seconds['capture']:.1f} s"),
-        ("scoring", f"{result.phase_seconds['scoring']:.1f} s"),
-        ("replay+backward", f"{result.phase_seconds['replay']:.1f} s"),
-        ("page bytes", f"{human_bytes(page_total[0])} in all, {human_bytes(result.page_bytes)} on "
-                       f"rank 0 ({receipt['page_bytes_per_token']:.0f} B/token)"),
-        ("pages by kind", ", ".join(
-            f"{kind} {human_bytes(nbytes)}" + (" (fixed)" if kind in pages["fixed_page_kinds"] else "")
-            for kind, nbytes in pages["page_bytes_by_kind"].items())),
-        ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
-        ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
-        ("loss", f"{result.loss:.6f}"),
-        ("mean reward", f"{result.stats['reward_mean']:.3f}"),
-        ("grad norm", f"{result.stats['grad_norm']:.4f}"),
-        ("receipt", str(path)),
-    ]
-    print("LongStraw GRPO step\n" + format_table(rows), flush=True)
+    print(step_summary(receipt, model=get_family(family).describe(model_cfg), lora=lora,
+                       backend=dist.get_backend(), path=path), flush=True)
     return receipt

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_longstraw import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.platform import manual_seed
 
@@ -27,6 +28,7 @@ def build_tiny_glm(dtype=torch.float64, seed: int = 0, **overrides):
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
     manual_seed(seed)
+    precision.use_dtype(dtype)
     cfg = tiny_glm_config(**overrides)
     model = build_glm52_model(cfg, params_dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -48,6 +50,7 @@ def build_tiny_qwen(dtype=torch.float64, seed: int = 0):
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
     manual_seed(seed)
+    precision.use_dtype(dtype)
     cfg = Qwen36Config.from_yaml(TINY_QWEN)
     model = build_qwen36_model(cfg, params_dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)

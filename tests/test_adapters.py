@@ -9,7 +9,6 @@ import torch
 
 from helpers import build_tiny_glm
 from megatron_longstraw.adapters import (
-    GLM52_TARGETS,
     LoRAConfig,
     LoRALinear,
     adapter_state_dict,
@@ -28,6 +27,7 @@ from megatron_longstraw.adapters import (
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.data import synthetic_group
 from megatron_longstraw.finalize import is_expert_param
+from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 from megatron_longstraw.schedule import train_step
 
 pytestmark = pytest.mark.usefixtures("single_process")

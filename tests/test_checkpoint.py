@@ -133,7 +133,8 @@ def resume_worker(rank, save_dir, model_dir):
     model_format.save_model(model_dir, fresh)  # collective: gathers every expert
     resumed = _params(fresh)
     # LoRA on every linear, experts included, then merged export: gathers merged experts too.
-    from megatron_longstraw.adapters import GLM52_TARGETS, LoRAConfig, apply_lora, lora_modules
+    from megatron_longstraw.adapters import LoRAConfig, apply_lora, lora_modules
+    from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
     from megatron_longstraw.adapters import merged_state_dict
     from megatron_longstraw.parallel import global_name
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers import ROOT
-from megatron_longstraw import model_format
+from megatron_longstraw import model_format, precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
@@ -91,6 +91,7 @@ def _our_model(model_dir, family: str = "glm52"):
 
     meta, _ = model_format.read_model(model_dir)
     spec = FAMILIES[family]
+    precision.use_dtype(F64)
     model = spec.build(spec.config_class.from_dict(meta["model"]), F64, 1)
     before = {n: t.clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
     model_format.load_model(model_dir, model, family=family)
@@ -106,6 +107,7 @@ def test_format_is_the_single_process_state_dict(converted):
     meta, tensors = model_format.read_model(converted)
     assert (meta["format"], meta["family"], meta["dtype"]) == ("longstraw-model", "glm52", "float64")
     assert meta["parallel"]["expert_parallel_size"] == 1
+    precision.use_dtype(F64)
     model = build_glm52_model(GLM52Config.from_dict(meta["model"]), params_dtype=F64)
     expected = {n for n, t in model.state_dict().items() if torch.is_tensor(t)}
     assert set(tensors) == expected
@@ -243,6 +245,7 @@ def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
     meta, tensors = model_format.read_model(qwen_converted)
     assert (meta["format"], meta["family"], meta["dtype"]) == ("longstraw-model", "qwen36", "float64")
     assert meta["hf_config"]["model_type"] == "qwen3_5_text"
+    precision.use_dtype(F64)
     model = build_qwen36_model(Qwen36Config.from_dict(meta["model"]), params_dtype=F64)
     assert Qwen36Config.from_dict(meta["model"]) == Qwen36Config(**QWEN_TINY)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if torch.is_tensor(t)}

@@ -31,7 +31,7 @@ def test_indexshare_rule_matches_transformers_and_megatron():
 
 
 def test_design_bytes_per_token():
-    # DESIGN section 9: 78 x 576 bf16 latents + 21 x 128 fp8 keys with an fp32 scale per row.
+    # docs/design.md section 9: 78 x 576 bf16 latents + 21 x 128 fp8 keys with an fp32 scale per row.
     cfg = GLM52Config()
     assert cfg.page_bytes_per_token(2, 1 + 4 / 128) == 78 * 576 * 2 + 21 * (128 + 4)
 

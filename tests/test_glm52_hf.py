@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from megatron_longstraw import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import (
     from_hf_state_dict,
@@ -54,6 +55,7 @@ def _build(cfg: GLM52Config, seed: int = 0) -> torch.nn.Module:
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
     manual_seed(seed)  # Megatron initialises from its RNG tracker: reseed it for reproducible weights
+    precision.use_dtype(F64)
     model = build_glm52_model(cfg, params_dtype=F64)
     # Megatron's WrappedTorchNorm ignores params_dtype (norm weights stay float32, and the indexer's
     # k_norm LayerNorm then refuses float64 inputs): cast the norms; expert_bias stays float32.

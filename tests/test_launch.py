@@ -215,7 +215,7 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     assert receipt["fixed_page_kinds"] == ["conv_tail", "gdn_state"]
     assert receipt["fixed_page_bytes"] == gdn_state + conv_tail
     assert receipt["page_bytes"] == gdn_state + conv_tail + 2 * key
-    assert receipt["page_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K/V only, as DESIGN section 9
+    assert receipt["page_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K/V only, as docs/design.md section 9
     saved = tmp_path / "ckpt" / "step_00000001"
     assert json.loads((saved / "meta.json").read_text())["model"]["linear_num_key_heads"] == 4
     rank_state = torch.load(saved / "rank_00000.pt", weights_only=False)

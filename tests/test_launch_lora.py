@@ -16,11 +16,11 @@ import yaml
 
 from megatron_longstraw import train
 from megatron_longstraw.adapters import (
-    QWEN36_TARGETS,
     lora_modules,
     lora_parameter_count,
     nf4_nbytes,
 )
+from megatron_longstraw.models.qwen36.family import LORA_TARGETS as QWEN36_TARGETS
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

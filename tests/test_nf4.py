@@ -9,7 +9,8 @@ import torch
 
 from helpers import build_tiny_glm
 from megatron_longstraw import nf4
-from megatron_longstraw.adapters import GLM52_TARGETS, LoRAConfig, apply_lora, lora_modules
+from megatron_longstraw.adapters import LoRAConfig, apply_lora, lora_modules
+from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 

@@ -52,7 +52,7 @@ def test_full_glm52_page_bytes_per_token():
     spec = planner.PlanSpec(family="glm52", model=cfg, prompt_len=2_100_000, group_size=8,
                             response_len=8192, cp=32, ep=32)
     plan = planner.plan(spec, search_max=False)
-    # DESIGN section 9: 78 layers x 576 bf16 latent values + 21 full indexer layers x 128 fp8 key
+    # docs/design.md section 9: 78 layers x 576 bf16 latent values + 21 full indexer layers x 128 fp8 key
     # values with one fp32 scale per row (132 bytes).
     assert plan.page_bytes_per_token == 78 * 576 * 2 + 21 * 132 == 92628
     rows = max(CPLayout(None, 32, r).prompt_positions(2_099_999).numel() for r in range(32))
@@ -135,7 +135,8 @@ def test_cli_json_figures(tmp_path):
 
 
 def test_lora_count_matches_adapters():
-    from megatron_longstraw.adapters import GLM52_TARGETS, LoRAConfig, apply_lora, trainable_parameters
+    from megatron_longstraw.adapters import LoRAConfig, apply_lora, trainable_parameters
+    from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 
     cfg, model = build_tiny_glm(torch.float32)
     apply_lora(model, LoRAConfig(rank=4, targets=GLM52_TARGETS, exclude=("*.experts.*",)))
@@ -155,10 +156,12 @@ QWEN_PROMPT_LEN = 80
 
 
 def _build_qwen(cfg, dtype=torch.float32):
+    from megatron_longstraw import precision
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
     from megatron_longstraw.platform import manual_seed
 
     manual_seed(0)
+    precision.use_dtype(dtype)
     return build_qwen36_model(cfg, params_dtype=dtype)
 
 
@@ -364,7 +367,7 @@ def test_qwen36_cp2_pages_and_replay_saved_per_rank():
 
 
 def test_cli_qwen36_full_size(tmp_path):
-    """Full-size Qwen3.6 at P = 1M on CP 8 (QLoRA rank 19, bf16 pages): DESIGN section 9's 64 KiB
+    """Full-size Qwen3.6 at P = 1M on CP 8 (QLoRA rank 19, bf16 pages): docs/design.md section 9's 64 KiB
     of K/V per token, per rank the prompt shard's K/V plus 1/8 of every GDN layer's state."""
     sys.path.insert(0, str(ROOT / "tools"))
     import plan_memory

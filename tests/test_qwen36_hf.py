@@ -5,7 +5,7 @@ Tolerance of the log-prob comparison (max |d log_softmax| <= 1e-9): both models 
 `_upcast_reference` removes transformers' float32 islands (zero-centred and gated RMSNorms, RoPE
 angles, eager softmax, the GDN decay `A_log.float()` / `a.float()` and its float32 delta rule,
 replaced by the per-token recurrence in float64); our side keeps float64 through
-`platform.enable_fp64_gdn`. What remains is float64 rounding, ~1e-16 relative per operation
+`precision.enable_fp64_gdn`. What remains is float64 rounding, ~1e-16 relative per operation
 (observed ~1e-15). 1e-9 is ~6 orders above that noise and far below every real discrepancy:
 float32 islands ~1e-7, a wrong out_norm offset (w vs 1 + w) ~1e-1, swapped gate/query rows or GQA
 groups ~1e-1, conv off by one token ~1e-2.
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_longstraw import precision
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.hf import (
     from_hf_state_dict,
@@ -49,6 +50,7 @@ def _build(cfg: Qwen36Config, seed: int = 0) -> torch.nn.Module:
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
     manual_seed(seed)
+    precision.use_dtype(F64)
     model = build_qwen36_model(cfg, params_dtype=F64)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -12,7 +12,6 @@ from megatron_longstraw.capture import capture_prompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
 from megatron_longstraw.memory import SavedTensorMeter
-from megatron_longstraw.models.qwen36.attention import blockwise_attention
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE, LongStrawGatedDeltaNet
 from megatron_longstraw.replay import score_member
@@ -150,7 +149,7 @@ def test_gdn_state_is_fixed_size_as_the_prompt_doubles():
         # K/V pages grow with P: 2 full-attention layers x 2 K/V heads x 32, per captured token.
         assert sizes[prompt_len]["key"] == (prompt_len - 1) * 2 * 2 * 32 * 4
     assert cfg.page_bytes_per_token(4) == 2 * 2 * 2 * 32 * 4
-    # DESIGN section 9 at full size: 64 KiB of bf16 K/V per token, ~3 MiB of GDN state per layer.
+    # docs/design.md section 9 at full size: 64 KiB of bf16 K/V per token, ~3 MiB of GDN state per layer.
     full = Qwen36Config()
     assert full.page_bytes_per_token(2) == 64 * 1024
     assert full.gdn_state_bytes(4, 2) == 3 * 2**20 + 3 * 10240 * 2
@@ -212,31 +211,6 @@ def test_gradients_all_params_with_a_one_token_prompt(checkpoint_layers):
     _assert_close(got, ref, rel=1e-9)
     assert any("A_log" in n and g.abs().sum() > 0 for n, g in got.items())
     assert any("linear_qkv" in n and g.abs().sum() > 0 for n, g in got.items())
-
-
-def test_blockwise_attention_equals_dense_softmax_attention():
-    """Forward and backward of the blockwise GQA attention (key blocks that do not divide the
-    keys, queries after a prefix, one block entirely in the queries' future) against dense
-    softmax attention under autograd (fp64, 1e-12)."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(7, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(40, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(40, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    q_pos = torch.arange(20, 27)
-    k_pos = torch.cat([torch.arange(0, 20), torch.arange(20, 27), torch.arange(100, 113)])
-    out = blockwise_attention(q, k, v, q_pos, k_pos, 0.3, key_block=9)
-    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v), grad_out)
-
-    k_rep, v_rep = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
-    scores = torch.einsum("shd,thd->hst", q, k_rep) * 0.3
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    dense = torch.einsum("hst,thd->shd", scores.softmax(-1), v_rep)
-    want = torch.autograd.grad(dense, (q, k, v), grad_out)
-    assert (out - dense).abs().max() <= 1e-12
-    for g, w in zip(got, want):
-        assert (g - w).abs().max() <= 1e-12
-    assert got[1][27:].abs().max() == 0  # future keys get no gradient
 
 
 def _replay_saved_peak(model, prompt_len, num_members):
@@ -304,7 +278,7 @@ def test_prompt_state_gradients_on_request():
 
 def test_all_param_gradients_at_fixed_prompt_state_match_finite_differences():
     """Every parameter at a 150-token prompt: replay's gradient is d loss / d theta at the captured
-    prompt state (DESIGN section 7). Check: the directional derivative along a random direction
+    prompt state (docs/design.md section 7). Check: the directional derivative along a random direction
     over all parameters equals a central finite difference of scoring with the pages held fixed
     (fp64, relative 1e-6; the quotient's own error is ~1e-8), and the gradient touches every kind
     of parameter (GDN, gated attention, FFN, norms, embedding, head)."""

@@ -97,3 +97,28 @@ def test_apply_rope_matches_transformers_interleaved_and_half_split():
     assert torch.allclose(got_h, ref_h[0].transpose(0, 1), atol=1e-12)
     # Rotation keeps norms, and relative position is all that matters for q.k.
     assert torch.allclose(got_i.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_blockwise_attention_equals_dense_softmax_attention():
+    """Forward and backward of the blockwise GQA attention (key blocks that do not divide the
+    keys, queries after a prefix, one block entirely in the queries' future) against dense
+    softmax attention under autograd (fp64, 1e-12)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(40, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(40, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    q_pos = torch.arange(20, 27)
+    k_pos = torch.cat([torch.arange(0, 20), torch.arange(20, 27), torch.arange(100, 113)])
+    out, _ = refs.blockwise_attention(q, k, v, q_pos, k_pos, 0.3, key_block=9)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    k_rep, v_rep = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    scores = torch.einsum("shd,thd->hst", q, k_rep) * 0.3
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    dense = torch.einsum("hst,thd->shd", scores.softmax(-1), v_rep)
+    want = torch.autograd.grad(dense, (q, k, v), grad_out)
+    assert (out - dense).abs().max() <= 1e-12
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-12
+    assert got[1][27:].abs().max() == 0  # future keys get no gradient

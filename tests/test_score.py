@@ -156,7 +156,7 @@ def test_mismatch_summary_is_exact(scored):
 
 
 def test_random_init_is_seeded(tmp_path):
-    from megatron_longstraw import platform
+    from megatron_longstraw import platform, precision
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
     prompt, response = list(range(3, 30)), [5, 9, 2]
@@ -167,6 +167,7 @@ def test_random_init_is_seeded(tmp_path):
         "--dtype", "fp64", "--input", str(tmp_path / "g.jsonl"), "--out", str(tmp_path / "s.jsonl")])
     assert out["summary"] is None and not (tmp_path / "s.jsonl.summary.json").exists()
     platform.manual_seed(7)
+    precision.use_dtype(torch.float64)
     model = build_glm52_model(tiny_glm_config(), params_dtype=torch.float64)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, torch.tensor(prompt), torch.tensor(response))

@@ -1,4 +1,5 @@
-"""LongStraw against conventional GRPO on CPU: same tiny GLM-5.2, same weights, same data.
+"""LongStraw against conventional GRPO on CPU: same tiny model (GLM-5.2 unless --family), same
+weights, same data.
 
     python tools/bench.py --quick                       # under 5 minutes
     python tools/bench.py --points 4096,8192,16384 --groups 2,8 --cap-gib 4 --json runs/bench/bench.json
@@ -115,18 +116,19 @@ def run_one(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_longstraw import parallel, platform
+    from megatron_longstraw import parallel, platform, precision
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.data import synthetic_group
+    from megatron_longstraw.families import get_family
     from megatron_longstraw.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes
-    from megatron_longstraw.models.glm52.config import GLM52Config
-    from megatron_longstraw.models.glm52.model import build_glm52_model
     from megatron_longstraw.schedule import forward_backward_longstraw
 
     parallel.initialize(seed=args.seed)
-    cfg = GLM52Config.from_yaml(args.config)
+    family = get_family(args.family)
+    cfg = family.config_class.from_yaml(args.config)
     platform.manual_seed(args.seed)
-    model = build_glm52_model(cfg, params_dtype=torch.float32)
+    precision.use_dtype(torch.float32)
+    model = family.build_model(cfg, params_dtype=torch.float32)
     ls = LongStrawConfig.from_yaml(args.config)
     ls.group_size, ls.max_response_len = args.group_size, args.response_len
     # The blocks of the plain forward's implicit full pass (state.AttentionPass defaults), so both
@@ -185,7 +187,7 @@ def run_point(args, method: str, prompt_len: int, group_size: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--method", method,
            "--prompt-len", str(prompt_len), "--group-size", str(group_size),
            "--response-len", str(args.response_len), "--seed", str(args.seed),
-           "--config", args.config]
+           "--family", args.family, "--config", args.config]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env=child_env(), cwd=ROOT)
@@ -357,8 +359,13 @@ def write_png(results: list[dict], cap_bytes: int, path: Path) -> str:
 
 
 def parse_args(argv=None):
+    from megatron_longstraw.families import FAMILIES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "examples" / "glm52" / "tiny.yaml"))
+    p.add_argument("--family", choices=sorted(FAMILIES), default="glm52",
+                   help="model family (megatron_longstraw/families.py)")
+    p.add_argument("--config", default=None,
+                   help="model YAML (default: the family's tiny example, examples/<family>/tiny.yaml)")
     p.add_argument("--quick", action="store_true",
                    help="P in {4K, 5K} at G=2, P=4K at G=8, LongStraw also at 12K: under 5 minutes")
     p.add_argument("--points", default=None, help="comma-separated prompt lengths (default 4K..16K)")
@@ -385,7 +392,9 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.config = args.config or str(ROOT / FAMILIES[args.family].tiny_config)
+    return args
 
 
 def main(argv=None) -> dict:
@@ -434,7 +443,8 @@ def main(argv=None) -> dict:
     payload = {"results": results, "summary": summary,
                "settings": {"points": points, "longstraw_points": extra, "groups": groups,
                             "methods": methods,
-                            "response_len": args.response_len, "config": args.config,
+                            "response_len": args.response_len, "family": args.family,
+                            "config": args.config,
                             "cap_bytes": cap, "child_env": {"OMP_NUM_THREADS": "1",
                                                             "MALLOC_MMAP_THRESHOLD_": "1048576"},
                             "cap_method": "predicted from measured growth (see module docstring)"}}

@@ -12,7 +12,8 @@ and the same command with `--to-hf` goes back (it never overwrites a non-empty d
 
 The tensor mapping is the family's hf.py (the one its state-dict functions and logit-parity tests
 use), applied to tensors by name: no model and no process group are built. What differs between the
-families is one row of `FAMILIES` below; the reading, checking and writing are shared. HF tensors
+families is their record's `hf` (`HF_CONVERSION` in models/<family>/hf.py, collected by
+megatron_longstraw/families.py); the reading, checking and writing are shared here. HF tensors
 are read lazily, one at a time (safetensors `safe_open`); `--to-hf` writes shard by shard. Memory:
 HF -> plugin holds the converted weights once (the format is a single safetensors file); --to-hf
 holds one shard. FP8 block-quantised checkpoints must be dequantised first.
@@ -42,7 +43,6 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,157 +52,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_longstraw import model_format  # noqa: E402
-# hf.py's name-level mappings and value transforms (private there: their public functions need a
-# built model).
-from megatron_longstraw.models.glm52 import hf as glm52_hf  # noqa: E402
-from megatron_longstraw.models.glm52.config import GLM52Config  # noqa: E402
-from megatron_longstraw.models.qwen36 import hf as qwen36_hf  # noqa: E402
-from megatron_longstraw.models.qwen36.config import Qwen36Config  # noqa: E402
+from megatron_longstraw.families import FAMILIES, Family  # noqa: E402
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-Read = Callable[[str], torch.Tensor]
-"""HF text-model tensor name -> tensor (shape-checked against config.json)."""
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ConversionError(ValueError):
     """A checkpoint this tool cannot convert; the message says why and what to do."""
-
-
-# ---- the families -------------------------------------------------------------------------------
-
-
-def _expert_slot(stacked: str, expert: int) -> list[str]:
-    """On-disk names of routed expert `expert` inside transformers' stacked tensor `stacked`
-    (`...mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `...down_proj` [E, H, I])."""
-    prefix, kind = stacked.rsplit(".", 1)
-    if kind == "gate_up_proj":
-        return [f"{prefix}.{expert}.gate_proj.weight", f"{prefix}.{expert}.up_proj.weight"]
-    return [f"{prefix}.{expert}.down_proj.weight"]
-
-
-def _glm52_text_names(cfg: GLM52Config, names) -> dict[str, str]:
-    """{name in the mapping: on-disk name}, without the MTP layers (index >= num_hidden_layers)."""
-    return {n: n for n in names
-            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers)}
-
-
-def _glm52_to_ours(cfg: GLM52Config, entry, read: Read, dtype: torch.dtype, available) -> list:
-    if entry.kind == "copy":
-        values = [read(entry.hf[0])]
-    elif entry.kind == "cat":  # dense / shared-expert [gate; up]
-        values = [torch.cat([read(n) for n in entry.hf])]
-    elif entry.hf[0] in available:  # routed experts saved stacked (transformers' in-memory layout)
-        values = list(read(entry.hf[0]).unbind(0))
-    else:                           # routed experts one by one (the layout save_pretrained writes)
-        values = [torch.cat([read(n) for n in _expert_slot(entry.hf[0], e)])
-                  for e in range(len(entry.meg))]
-    return list(zip(entry.meg, values))
-
-
-def _glm52_to_hf(cfg: GLM52Config, entry) -> list[tuple[str, str, Transform]]:
-    first, second = (lambda t: t.chunk(2)[0]), (lambda t: t.chunk(2)[1])  # [gate; up] rows
-    if entry.kind == "copy":
-        return [(entry.hf[0], entry.meg[0], _identity)]
-    if entry.kind == "cat":
-        return [(entry.hf[0], entry.meg[0], first), (entry.hf[1], entry.meg[0], second)]
-    plan = []
-    for e, meg in enumerate(entry.meg):
-        parts = _expert_slot(entry.hf[0], e)
-        rows = [first, second] if len(parts) == 2 else [_identity]
-        plan += [(hf, meg, row) for hf, row in zip(parts, rows)]
-    return plan
-
-
-def _qwen36_text_config(hf_cfg: dict) -> dict:
-    """The text model's config.json values (a vision-language config keeps them in text_config)."""
-    values = dict(hf_cfg.get("text_config") or hf_cfg)
-    values.pop("model_type", None)
-    return values
-
-
-def _qwen36_text_names(cfg: Qwen36Config, names) -> dict[str, str]:
-    """{Qwen3_5ForCausalLM name: on-disk name}: hf.text_state_dict's renaming and dropping
-    (vision tower, MTP head), applied to the names (each maps to itself there)."""
-    return qwen36_hf.text_state_dict({n: n for n in names})
-
-
-def _qwen36_to_ours(cfg: Qwen36Config, entry, read: Read, dtype: torch.dtype, available) -> list:
-    values = [read(n) for n in entry.hf]
-    if entry.kind == "copy":
-        return [(entry.meg, values[0])]
-    if entry.kind == "minus_one":  # plain gain -> zero-centred, in the format's dtype
-        return [(entry.meg, values[0].to(dtype) - 1)]
-    if entry.kind == "cat":
-        return [(entry.meg, torch.cat(values))]
-    return [(entry.meg, qwen36_hf._qkv_to_megatron(cfg, *values))]  # gated_qkv
-
-
-def _qwen36_to_hf(cfg: Qwen36Config, entry) -> list[tuple[str, str, Transform]]:
-    if entry.kind == "copy":
-        return [(entry.hf[0], entry.meg, _identity)]
-    if entry.kind == "minus_one":
-        return [(entry.hf[0], entry.meg, lambda t: t + 1)]
-    if entry.kind == "cat":
-        sizes = qwen36_hf._cat_sizes(cfg, entry)
-        return [(hf, entry.meg, lambda t, j=j: t.split(sizes)[j]) for j, hf in enumerate(entry.hf)]
-    return [(hf, entry.meg, lambda t, j=j: qwen36_hf._qkv_to_hf(cfg, t)[j])  # gated_qkv
-            for j, hf in enumerate(entry.hf)]
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@dataclass(frozen=True)
-class Family:
-    """One model family's HF <-> model-format conversion: everything the shared code needs."""
-
-    name: str
-    """`--family` value; the model format's `family`."""
-    title: str
-    """What the family is, for messages."""
-    model_types: tuple[str, ...]
-    """config.json `model_type` values that convert."""
-    hf_config_class: str
-    """transformers config class of the text model (for --to-hf and the expected shapes)."""
-    hf_model_class: str
-    """transformers model class; the `architectures` entry --to-hf writes."""
-    config_class: type
-    """Our config dataclass (the model format's `model`)."""
-    config_from_hf: Callable
-    """config.json dict -> our config (ValueError for unsupported settings)."""
-    hf_config: Callable
-    """our config -> transformers config (when the stored config.json does not describe it)."""
-    mapping: Callable
-    """our config -> hf.py's correspondences."""
-    text_config: Callable[[dict], dict]
-    """config.json dict -> the text model's config values."""
-    text_names: Callable
-    """(our config, on-disk names) -> {name in the mapping: on-disk name}; names left out are
-    deliberately skipped (MTP layers, a vision tower)."""
-    to_ours: Callable
-    """(our config, entry, read, dtype, names available) -> [(model-format name, tensor)]."""
-    to_hf: Callable
-    """(our config, entry) -> [(HF name, model-format name, transform of that tensor)]."""
-    float32_names: tuple[str, ...] = ()
-    """Name suffixes (either side) kept in float32 whatever --dtype says."""
-
-
-FAMILIES = {
-    "glm52": Family(
-        "glm52", "GLM-5.2 text model", ("glm_moe_dsa",), "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-        GLM52Config, glm52_hf.glm52_config_from_hf, glm52_hf.hf_config, glm52_hf._mapping,
-        lambda hf_cfg: dict(hf_cfg), _glm52_text_names, _glm52_to_ours, _glm52_to_hf,
-        # Megatron keeps the routers' expert_bias in float32 whatever the parameter dtype.
-        float32_names=("router.expert_bias", "e_score_correction_bias")),
-    "qwen36": Family(
-        "qwen36", "Qwen3.6 / Qwen3.5 Gated-DeltaNet hybrid", ("qwen3_5_text", "qwen3_5"),
-        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", Qwen36Config, qwen36_hf.qwen36_config_from_hf,
-        qwen36_hf.hf_config, qwen36_hf._mapping, _qwen36_text_config, _qwen36_text_names,
-        _qwen36_to_ours, _qwen36_to_hf),
-}
 
 
 # ---- Hugging Face side --------------------------------------------------------------------------
@@ -225,18 +81,19 @@ def _expected_hf_shapes(family: Family, text_config: dict) -> dict[str, tuple[in
     (a meta-device model: no memory, no weights)."""
     import transformers
 
-    config = getattr(transformers, family.hf_config_class).from_dict(dict(text_config))
+    config = getattr(transformers, family.hf.hf_config_class).from_dict(dict(text_config))
     with torch.device("meta"):
-        model = getattr(transformers, family.hf_model_class)(config)
+        model = getattr(transformers, family.hf.hf_model_class)(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    for name, shape in list(shapes.items()):
+    expert_names = family.hf.expert_names
+    for name, shape in list(shapes.items()) if expert_names else ():
         if name.endswith("experts.gate_up_proj"):
             for e in range(shape[0]):
-                for part in _expert_slot(name, e):
+                for part in expert_names(name, e):
                     shapes[part] = (shape[1] // 2, shape[2])
         elif name.endswith("experts.down_proj"):
             for e in range(shape[0]):
-                shapes[_expert_slot(name, e)[0]] = shape[1:]
+                shapes[expert_names(name, e)[0]] = shape[1:]
     return shapes
 
 
@@ -250,13 +107,13 @@ def _declared_dtype(hf_cfg: dict) -> str | None:
 
 def _check_model_type(family: Family, hf_cfg: dict, config_path: Path) -> None:
     model_type = hf_cfg.get("model_type")
-    if model_type in family.model_types:
+    if model_type in family.hf.model_types:
         return
-    other = [f.name for f in FAMILIES.values() if model_type in f.model_types]
+    other = [f.name for f in FAMILIES.values() if model_type in f.hf.model_types]
     hint = f" (that is --family {other[0]})" if other else ""
     raise ConversionError(f"{config_path}: model_type {model_type!r}{hint} is not "
-                          f"{' or '.join(map(repr, family.model_types))} ({family.title}); nothing "
-                          f"else converts to --family {family.name}.")
+                          f"{' or '.join(map(repr, family.hf.model_types))} ({family.hf.title}); "
+                          f"nothing else converts to --family {family.name}.")
 
 
 def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
@@ -266,7 +123,7 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
         raise ConversionError(f"{hf_dir} has no config.json.")
     hf_cfg = json.loads(config_path.read_text())
     _check_model_type(family, hf_cfg, config_path)
-    cfg = family.config_from_hf(hf_cfg)
+    cfg = family.hf.config_from_hf(hf_cfg)
     if dtype is None:
         declared = _declared_dtype(hf_cfg)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -279,8 +136,8 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
     if quantised:
         raise ConversionError(f"{hf_dir} is FP8 block-quantised ({len(quantised)} tensors such as "
                               f"{quantised[0]}); dequantise it to bf16 first.")
-    expected = _expected_hf_shapes(family, family.text_config(hf_cfg))
-    on_disk = family.text_names(cfg, list(hf))  # {mapping name: on-disk name}
+    expected = _expected_hf_shapes(family, family.hf.text_config(hf_cfg))
+    on_disk = family.hf.text_names(cfg, list(hf))  # {mapping name: on-disk name}
     used: set[str] = set()
 
     def read(name: str) -> torch.Tensor:
@@ -294,9 +151,9 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
         return hf[disk]
 
     tensors: dict[str, torch.Tensor] = {}
-    for entry in family.mapping(cfg):
-        for name, value in family.to_ours(cfg, entry, read, dtype, on_disk):
-            target = torch.float32 if name.endswith(family.float32_names) else dtype
+    for entry in family.hf.mapping(cfg):
+        for name, value in family.hf.to_ours(cfg, entry, read, dtype, on_disk):
+            target = torch.float32 if name.endswith(family.hf.float32_names) else dtype
             tensors[name] = value.to(target).contiguous()
     if cfg.tie_word_embeddings and "lm_head.weight" in on_disk:
         if not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
@@ -339,23 +196,23 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
     cfg = family.config_class.from_dict(meta["model"])
     dtype = dtype or {v: k for k, v in model_format.DTYPE_NAMES.items()}[meta["dtype"]]
     stored = meta.get("hf_config")
-    text = family.text_config(stored) if stored is not None else None
-    if text is not None and family.config_from_hf(text) == cfg:
-        config = getattr(transformers, family.hf_config_class).from_dict(text)
+    text = family.hf.text_config(stored) if stored is not None else None
+    if text is not None and family.hf.config_from_hf(text) == cfg:
+        config = getattr(transformers, family.hf.hf_config_class).from_dict(text)
     else:
-        config = family.hf_config(cfg)
-    config.architectures = [family.hf_model_class]
+        config = family.hf.hf_config(cfg)
+    config.architectures = [family.hf.hf_model_class]
     config.dtype = dtype
     expected = _expected_hf_shapes(family, config.to_dict())
 
     # (hf name, model-format name, transform of the model-format tensor)
-    plan = [item for entry in family.mapping(cfg) for item in family.to_hf(cfg, entry)]
+    plan = [item for entry in family.hf.mapping(cfg) for item in family.hf.to_hf(cfg, entry)]
     missing = sorted({meg for _, meg, _ in plan} - set(tensors))
     if missing:
         raise ConversionError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:5]}.")
 
     def out_dtype(hf_name: str) -> torch.dtype:
-        return torch.float32 if hf_name.endswith(family.float32_names) else dtype
+        return torch.float32 if hf_name.endswith(family.hf.float32_names) else dtype
 
     def nbytes(hf_name: str) -> int:
         return (int(torch.Size(expected[hf_name]).numel())
@@ -413,8 +270,9 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES),
-                        help="Model family (glm52: transformers' glm_moe_dsa text models; "
-                             "qwen36: qwen3_5_text / qwen3_5 checkpoints, text model).")
+                        help="Model family (" + "; ".join(
+                            f"{name}: model_type {' / '.join(f.hf.model_types)}, {f.hf.title}"
+                            for name, f in sorted(FAMILIES.items())) + ").")
     parser.add_argument("--hf-dir", required=True, type=Path,
                         help="Hugging Face checkpoint directory (read; written with --to-hf).")
     parser.add_argument("--out", required=True, type=Path,

@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from megatron_longstraw.families import get_family  # noqa: E402
 from megatron_longstraw.kernels import parity, refs, select  # noqa: E402
 from megatron_longstraw.kernels.parity import (  # noqa: E402
     GDN_GRAD_TOLERANCE, GDN_TOLERANCE, gdn_case, gdn_errors, gdn_grad_errors, gdn_run,
@@ -377,7 +378,7 @@ def _gdn_timing(fla_rule, torch_rule) -> dict:
 
 # ---- 6 + 7. one LongStraw step -------------------------------------------------------------------
 
-QWEN_FULL = REPO / "examples" / "qwen36" / "full.yaml"
+QWEN_FULL = REPO / get_family("qwen36").full_config
 # Replay vs a full-sequence forward of the bf16 Qwen3.6 step, max |log-prob difference| in nats.
 # Both compute the same function with different blocking (FLA chunks restart at the replayed
 # prefix, capture's token blocks, attention's key blocks), so they differ by rounding alone:
@@ -401,13 +402,13 @@ def _build_on_gpu(build):
 
 
 def _build_model():
-    from megatron_longstraw import parallel
-    from megatron_longstraw.models.glm52.config import GLM52Config
-    from megatron_longstraw.models.glm52.model import build_glm52_model
+    from megatron_longstraw import parallel, precision
 
+    glm52 = get_family("glm52")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
-    cfg = GLM52Config(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16)
-    model = _build_on_gpu(lambda **kw: build_glm52_model(cfg, params_dtype=torch.bfloat16, **kw))
+    precision.use_dtype(torch.bfloat16)
+    cfg = glm52.config_class(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16)
+    model = _build_on_gpu(lambda **kw: glm52.build_model(cfg, params_dtype=torch.bfloat16, **kw))
     num_params = sum(p.numel() for p in model.parameters())
     say(f"  GLM-5.2, {cfg.num_hidden_layers} layers ({cfg.hybrid_layer_pattern()}), hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts: "
@@ -523,17 +524,17 @@ def model_step(args, deadline: float) -> dict:
 def _build_qwen36(args):
     """Qwen3.6 with 4 decoder layers (`G-G-G-*`) at the full.yaml widths, bf16, on the GPU, with
     the dense backend of --kernels, and slow GDN decays."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.models.qwen36.config import Qwen36Config
-    from megatron_longstraw.models.qwen36.model import build_qwen36_model
+    from megatron_longstraw import parallel, precision
 
+    qwen36 = get_family("qwen36")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
-    cfg = dataclasses.replace(Qwen36Config.from_yaml(QWEN_FULL), num_hidden_layers=4)
+    precision.use_dtype(torch.bfloat16)
+    cfg = dataclasses.replace(qwen36.config_class.from_yaml(QWEN_FULL), num_hidden_layers=4)
     select.use(args.kernels)
     backend = select.dense_spec_provider()
 
     def build(backend):
-        return _build_on_gpu(lambda **kw: build_qwen36_model(
+        return _build_on_gpu(lambda **kw: qwen36.build_model(
             cfg, params_dtype=torch.bfloat16, backend=backend, **kw))
 
     try:
@@ -643,6 +644,7 @@ def qwen36_step(args, deadline: float) -> dict:
     return out
 
 
+# The families (registry names) with a model step here; each step is written for its family.
 STEPS = ("glm52", "qwen36")
 
 

@@ -1,4 +1,4 @@
-"""The four evidence levels of DESIGN section 7 at small scale, on real processes over gloo.
+"""The four evidence levels of docs/design.md section 7 at small scale, on real processes over gloo.
 
     python tools/evidence.py --family glm52 --cp 2 --ep 2 --json runs/evidence/evidence.json
 
@@ -43,17 +43,20 @@ PLANNER_TOL = 0.15
 # ---- shared pieces ------------------------------------------------------------------------------
 
 
-def build_model(dtype, seed: int, config: str):
-    """The tiny GLM-5.2 with reproducible non-trivial weights (router correction bias, norm gains)."""
+def build_model(dtype, seed: int, config: str, family: str = "glm52"):
+    """The tiny model of `family` (its record's `build_model`: the local spec) with reproducible
+    non-trivial weights (router correction bias, norm gains)."""
     import torch
 
-    from megatron_longstraw.models.glm52.config import GLM52Config
-    from megatron_longstraw.models.glm52.model import build_glm52_model
+    from megatron_longstraw import precision
+    from megatron_longstraw.families import get_family
     from megatron_longstraw.platform import manual_seed
 
     manual_seed(seed)
-    cfg = GLM52Config.from_yaml(config)
-    model = build_glm52_model(cfg, params_dtype=dtype)
+    precision.use_dtype(dtype)
+    entry = get_family(family)
+    cfg = entry.config_class.from_yaml(config)
+    model = entry.build_model(cfg, params_dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -161,12 +164,12 @@ def rank_main(rank, world, init_file, args, state_path, results):
                             init_method=f"file://{init_file}")
         out = {"rank": rank}
         # Levels 2 and 3: the fp64 step from the reference weights.
-        cfg, model = build_model(torch.float64, args.seed, args.config)
+        cfg, model = build_model(torch.float64, args.seed, args.config, args.family)
         parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
         group = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
         out["step"] = update_step(model, cfg, group, longstraw_cfg(args, len(args.response_lens)))
         # Level 1: saved bytes without checkpointing (the per-layer working sets), small group.
-        cfg32, model32 = build_model(torch.float32, args.seed, args.config)
+        cfg32, model32 = build_model(torch.float32, args.seed, args.config, args.family)
         small = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
         with SavedTensorMeter(model32) as meter:
             forward_backward_longstraw(model32, small, longstraw_cfg(
@@ -289,7 +292,7 @@ def parity_rows(args, model, cfg, group) -> list[dict]:
     per_param = {n: rel(detached[n], exact[n]) for n in names}
     worst = max(per_param, key=per_param.get)
     rows.append(_row("4 full-gradient parity", "all params, exact: needs the exact prompt-gradient "
-                     "mode (DESIGN section 7), which the package does not implement yet (only the "
+                     "mode (docs/design.md section 7), which the package does not implement yet (only the "
                      "PageStore.leaf hook)", None, None))
     rows.append(_row("4 full-gradient parity", "gap of the approximation: ||g_detached - g_exact|| "
                      f"/ ||g_exact|| over all params (worst param {worst}: {per_param[worst]:.3g})",
@@ -310,9 +313,11 @@ def evidence(args) -> dict:
     from megatron_longstraw.replay import score_member
 
     if args.family != "glm52":
-        raise SystemExit(f"--family {args.family}: only glm52 has a model in this package.")
+        raise SystemExit(f"--family {args.family}: the evidence levels here are written for glm52 "
+                         "(level 1 against planner.glm52_replay_saved, routed experts on the EP "
+                         "ranks); Qwen3.6's CP checks are tests/test_qwen36_distributed.py.")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.seed)
-    cfg, model = build_model(torch.float64, args.seed, args.config)
+    cfg, model = build_model(torch.float64, args.seed, args.config, args.family)
     state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     group = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
     rows = []
@@ -391,8 +396,11 @@ def format_rows(rows) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=["glm52", "qwen36"], default="glm52")
-    p.add_argument("--config", default=str(ROOT / "examples" / "glm52" / "tiny.yaml"))
+    from megatron_longstraw.families import FAMILIES
+
+    p.add_argument("--family", choices=sorted(FAMILIES), default="glm52")
+    p.add_argument("--config", default=None,
+                   help="model YAML (default: the family's tiny example, examples/<family>/tiny.yaml)")
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=200)
@@ -404,6 +412,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.config = args.config or str(ROOT / FAMILIES[args.family].tiny_config)
     if args.cp % args.ep:
         p.error(f"EP ({args.ep}) must divide CP ({args.cp}): experts are folded on the CP ranks.")
     return args

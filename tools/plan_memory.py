@@ -19,6 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_longstraw import planner  # noqa: E402
+from megatron_longstraw.families import FAMILIES  # noqa: E402
+
+# The full-size plan's layout per family (Family.planner), for --help.
+_LAYOUTS = {name: (f.planner.cp, f.planner.ep) for name, f in sorted(FAMILIES.items())}
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
@@ -39,15 +43,17 @@ def gpu_bytes(text: str) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(planner.FAMILIES), default="glm52")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="glm52")
     p.add_argument("--config", default=None,
-                   help="model YAML (default: examples/<family>/full.yaml); its longstraw: section "
-                        "gives the block sizes")
+                   help="model YAML (default: the family's full-size example, "
+                        "examples/<family>/full.yaml); its longstraw: section gives the block sizes")
     p.add_argument("--prompt-len", type=quantity, default=quantity("2.1M"))
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--response-len", type=quantity, default=8192)
-    p.add_argument("--cp", type=int, default=None, help="default: 32 (glm52), 8 (qwen36)")
-    p.add_argument("--ep", type=int, default=None, help="default: 32 (glm52), 1 (qwen36: dense)")
+    p.add_argument("--cp", type=int, default=None, help="default: " + ", ".join(
+        f"{cp} ({name})" for name, (cp, _) in _LAYOUTS.items()))
+    p.add_argument("--ep", type=int, default=None, help="default: " + ", ".join(
+        f"{ep} ({name})" for name, (_, ep) in _LAYOUTS.items()))
     p.add_argument("--weight-dtype", choices=sorted(planner.DTYPE_BYTES), default="bf16")
     p.add_argument("--act-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default=None,
                    help="default: the weight dtype (bf16 for fp8/nf4 weights)")
@@ -78,19 +84,13 @@ def parse_args(argv=None):
 def build_spec(args) -> planner.PlanSpec:
     from megatron_longstraw.config import LongStrawConfig
 
-    config = args.config or str(ROOT / "examples" / args.family / "full.yaml")
+    family = FAMILIES[args.family]
+    config = args.config or str(ROOT / family.full_config)
     blocks = LongStrawConfig.from_yaml(config)
-    if args.family == "glm52":
-        from megatron_longstraw.models.glm52.config import GLM52Config
-
-        model = GLM52Config.from_yaml(config)
-        key_width = model.index_head_dim
-    else:
-        from megatron_longstraw.models.qwen36.config import Qwen36Config
-
-        model, key_width = Qwen36Config.from_yaml(config), 128   # no index keys: key_width unused
-    cp = args.cp if args.cp is not None else {"glm52": 32, "qwen36": 8}[args.family]
-    ep = args.ep if args.ep is not None else {"glm52": 32, "qwen36": 1}[args.family]
+    model = family.config_class.from_yaml(config)
+    key_width = family.planner.index_key_width(model)
+    cp = args.cp if args.cp is not None else family.planner.cp
+    ep = args.ep if args.ep is not None else family.planner.ep
     weight = planner.DTYPE_BYTES[args.weight_dtype]
     act = planner.DTYPE_BYTES[args.act_dtype] if args.act_dtype else (weight if weight >= 2 else 2.0)
     index = (1 + 4 / key_width if args.index_key_dtype == "fp8"     # one fp32 scale per row

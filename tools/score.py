@@ -48,13 +48,15 @@ def expert_parallel_size(family: str, context_parallel_size: int) -> int:
 
 def build_model(family: str, config_path: str, dtype: torch.dtype, expert_parallel_size: int = 1):
     """(model config, model, number of routed experts) of `family` from the `model:` section of
-    `config_path`, built by the launcher's family table (model-parallel state initialised)."""
+    `config_path`, built by the family's registry record (model-parallel state initialised)."""
+    from megatron_longstraw import precision
     from megatron_longstraw.families import get_family
 
     entry = get_family(family)
     cfg = entry.config_class.from_yaml(config_path)
+    precision.use_dtype(dtype)
     model = entry.build(cfg, dtype, expert_parallel_size)
-    return cfg, model, getattr(cfg, "n_routed_experts", 1)
+    return cfg, model, entry.num_routed_experts(cfg)
 
 
 def load_checkpoint(model, path: str | Path, num_experts: int) -> Path:

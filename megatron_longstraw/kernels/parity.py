@@ -191,11 +191,11 @@ def gdn_run(rule, case: dict, dtype=None):
 
 
 def gdn_reference(q, k, v, g, beta, **kwargs):
-    """Megatron-Core's `torch_chunk_gated_delta_rule` with every step in float64 (platform.py's
-    copy, the one `platform.enable_fp64_gdn` installs)."""
-    from megatron_longstraw.platform import _chunk_gated_delta_rule_fp64
+    """Megatron-Core's `torch_chunk_gated_delta_rule` with every step in float64 (precision.py's
+    copy, the one `precision.enable_fp64_gdn` installs)."""
+    from megatron_longstraw.precision import chunk_gated_delta_rule_fp64
 
-    return _chunk_gated_delta_rule_fp64(q, k, v, g, beta, **kwargs)
+    return chunk_gated_delta_rule_fp64(q, k, v, g, beta, **kwargs)
 
 
 def gdn_errors(rule, case: dict, dtype=None, split_at=()) -> dict[str, dict[str, float]]:

@@ -133,6 +133,16 @@ def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: to
     return out, lse
 
 
+def lse_merge_weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The weight of a partial attention result in a log-sum-exp merge: exp(lse - total), where
+    `total` is the merged log-sum-exp (or any per-row shift no smaller than it, e.g. the row max
+    over partials: the merge divides it out). An empty partial (lse = -inf) weighs 0; a row that no
+    partial sees (total = -inf) gets weights 0 (its merged output is 0). The one merge rule:
+    `merge_partial_attention` (partials on one process, blockwise attention's key blocks) and
+    `parallel.merge_partials_by_lse` (partials on the CP ranks, reduce-scattered) both use it."""
+    return torch.exp(lse - total.nan_to_num(neginf=0.0))
+
+
 def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple:
     """Merge partial softmax-attention results over disjoint key sets by their log-sum-exp.
 
@@ -140,6 +150,92 @@ def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) 
     """
     lse_all = torch.stack(lses)                               # [n, s, h]
     lse = torch.logsumexp(lse_all, dim=0)
-    weights = torch.exp(lse_all - lse.nan_to_num(neginf=0.0)[None]).nan_to_num(0.0)
+    weights = lse_merge_weights(lse_all, lse[None])
     out = sum(w[..., None].to(o.dtype) * o for w, o in zip(weights, outs))
     return out, lse
+
+
+def _causal_scores(q, k, q_pos, k_pos, scale, acc):
+    """q [s, g, r, d], k [t, g, d] -> causal scores [s, g, r, t] in `acc` (-inf where masked)."""
+    scores = torch.einsum("sgrd,tgd->sgrt", q.to(acc), k.to(acc)) * scale
+    if int(k_pos.max()) <= int(q_pos.min()):                            # all visible: no mask
+        return scores
+    future = k_pos[None, :] > q_pos[:, None]                            # [s, t]
+    return scores.masked_fill(future[:, None, None, :], float("-inf"))
+
+
+def _visible_key_blocks(q_pos, k_pos, key_block):
+    """Key blocks [start, end) that at least one query can see (key i visible iff k_pos[i] <= q_pos)."""
+    last = int(q_pos.max())
+    for start in range(0, k_pos.numel(), key_block):
+        end = min(start + key_block, k_pos.numel())
+        if int(k_pos[start:end].min()) <= last:
+            yield start, end
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Causal GQA softmax attention over keys in blocks, each block's partial result merged into
+    the running one by `merge_partial_attention`, with a backward that recomputes each block's
+    scores (flash-attention style): saved tensors are the inputs, the output and the log-sum-exp,
+    never a [s, heads, t] matrix. Shapes: see `blockwise_attention` (q grouped [s, g, r, d])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, scale: float, key_block: int):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        for start, end in _visible_key_blocks(q_pos, k_pos, key_block):
+            scores = _causal_scores(q, k[start:end], q_pos, k_pos[start:end], scale, acc)
+            block_lse = torch.logsumexp(scores, dim=-1)                # [s, g, r]
+            probs = lse_merge_weights(scores, block_lse[..., None])
+            block_out = torch.einsum("sgrt,tgd->sgrd", probs, v[start:end].to(acc))
+            out, lse = merge_partial_attention([out, block_out], [lse, block_lse])
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
+        ctx.scale, ctx.key_block = scale, key_block
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
+        scale, acc = ctx.scale, lse.dtype
+        grad_out = grad_out.to(acc)
+        q_acc = q.to(acc)
+        # d lse / d score = prob, so a log-sum-exp gradient enters like -delta (flash backward).
+        delta = (grad_out * out.to(acc)).sum(-1)                        # [s, g, r]
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc).nan_to_num(0.0)
+        grad_q = torch.zeros_like(q_acc)
+        grad_k = torch.zeros(k.shape, dtype=acc, device=k.device) if ctx.needs_input_grad[1] else None
+        grad_v = torch.zeros(v.shape, dtype=acc, device=v.device) if ctx.needs_input_grad[2] else None
+        for start, end in _visible_key_blocks(q_pos, k_pos, ctx.key_block):
+            k_blk, v_blk = k[start:end].to(acc), v[start:end].to(acc)
+            probs = lse_merge_weights(_causal_scores(q_acc, k_blk, q_pos, k_pos[start:end], scale,
+                                                     acc), lse[..., None])  # [s, g, r, t]
+            if grad_v is not None:
+                grad_v[start:end] += torch.einsum("sgrt,sgrd->tgd", probs, grad_out)
+            grad_scores = probs * (torch.einsum("sgrd,tgd->sgrt", grad_out, v_blk) - delta[..., None])
+            grad_q += torch.einsum("sgrt,tgd->sgrd", grad_scores, k_blk) * scale
+            if grad_k is not None:
+                grad_k[start:end] += torch.einsum("sgrt,sgrd->tgd", grad_scores, q_acc) * scale
+        return (grad_q.to(q.dtype), None if grad_k is None else grad_k.to(k.dtype),
+                None if grad_v is None else grad_v.to(v.dtype), None, None, None, None)
+
+
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                        k_pos: torch.Tensor, scale: float, key_block: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA softmax attention, blockwise over keys (no [s, heads, t] matrix, forward or
+    backward).
+
+    q: [s, heads, d_qk], k: [t, groups, d_qk], v: [t, groups, d_v] (heads / groups query heads per
+    K/V group; groups = 1 is MQA, e.g. MLA over its latents), q_pos [s], k_pos [t] integer
+    positions (key i is visible to query j iff k_pos[i] <= q_pos[j]; any order). Returns (out
+    [s, heads, d_v] in q's dtype, lse [s, heads] in float32 or wider), both differentiable, so
+    partial results over disjoint key sets merge exactly (`merge_partial_attention`). A query
+    with no visible key gets out 0 and lse -inf.
+    """
+    groups = k.shape[1]
+    grouped = q.reshape(q.shape[0], groups, q.shape[1] // groups, q.shape[2])
+    out, lse = _BlockwiseAttention.apply(grouped, k, v, q_pos, k_pos, scale, key_block)
+    return out.reshape(q.shape[0], q.shape[1], v.shape[-1]), lse.reshape(q.shape[0], q.shape[1])

@@ -8,6 +8,8 @@ module each, take over the parts they implement:
                      (capture, scoring)
     sparse_mla_grad  sparse_mla_attention under autograd (replay)   triton, ref
     indexer          indexer_topk                                   deepgemm, ref
+    attention        blockwise_attention (dense causal GQA/MQA,     ref
+                     log-sum-exp out, differentiable)
     moe              MoE dispatch: moe_config_overrides()           deepep, ref
     dense            layer specs: dense_spec_provider()             te, ref
     optimizer        optimizer_class()                              apex, ref
@@ -17,7 +19,9 @@ it implements and leaves the rest on ref) and `part=name` overrides, e.g. `auto`
 `auto,indexer=ref`, `sparse_mla=triton,indexer=ref` (unnamed parts: ref). `auto` takes, per part,
 the first backend that is importable and usable here (CUDA present, supported GPU) and logs its
 choice; an explicit backend that cannot run fails at once with the package name and how to install
-it. `apply_rope` and `merge_partial_attention` always run the reference.
+it. `apply_rope` and `merge_partial_attention` always run the reference. `attention` has only the
+reference today (blockwise over keys, recomputing backward); a fused GPU backend that returns the
+log-sum-exp and takes its gradient (FlashAttention-style) plugs in as one more row here.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from megatron_longstraw.kernels.packages import MissingKernelPackage
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("sparse_mla", "sparse_mla_grad", "indexer", "moe", "dense", "optimizer")
+PARTS = ("sparse_mla", "sparse_mla_grad", "indexer", "attention", "moe", "dense", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "sparse_mla": ("flashmla", "triton", "ref"),
     "sparse_mla_grad": ("triton", "ref"),
     "indexer": ("deepgemm", "ref"),
+    "attention": ("ref",),
     "moe": ("deepep", "ref"),
     "dense": ("te", "ref"),
     "optimizer": ("apex", "ref"),
@@ -243,6 +248,7 @@ class KernelSet:
     indexer_topk: Callable
     _sparse_mla: Callable = field(repr=False)
     _sparse_mla_grad: Callable = field(repr=False)
+    blockwise_attention: Callable = refs.blockwise_attention
     apply_rope: Callable = refs.apply_rope
     merge_partial_attention: Callable = refs.merge_partial_attention
 
@@ -259,12 +265,14 @@ def _build(choices: dict[str, str]) -> KernelSet:
     return KernelSet(
         choices=dict(choices),
         indexer_topk=_wrapper(choices["indexer"], "indexer_topk"),
+        blockwise_attention=_wrapper(choices["attention"], "blockwise_attention"),
         _sparse_mla=_wrapper(choices["sparse_mla"], "sparse_mla_attention"),
         _sparse_mla_grad=_wrapper(choices["sparse_mla_grad"], "sparse_mla_attention"),
     )
 
 
 _REF = KernelSet(choices={part: "ref" for part in PARTS}, indexer_topk=refs.indexer_topk,
+                 blockwise_attention=refs.blockwise_attention,
                  _sparse_mla=refs.sparse_mla_attention, _sparse_mla_grad=refs.sparse_mla_attention)
 _ACTIVE: list[KernelSet] = [_REF]
 _RESOLVED: dict[str, KernelSet] = {}
@@ -299,7 +307,7 @@ def reset() -> None:
 
 def kernels() -> KernelSet:
     """The active kernels (`apply_rope`, `indexer_topk`, `sparse_mla_attention`,
-    `merge_partial_attention`)."""
+    `blockwise_attention`, `merge_partial_attention`)."""
     return _ACTIVE[0]
 
 

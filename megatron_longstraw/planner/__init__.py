@@ -1,5 +1,5 @@
 """Memory planner: per-rank device peak and host page bytes of one LongStraw GRPO step, from a model
-config and a layout (DESIGN sections 2, 3 and 9), and the largest prompt that fits.
+config and a layout (docs/design.md sections 2, 3 and 9), and the largest prompt that fits.
 
 Every figure is a formula over the shapes the code allocates, each naming the tensor (and file) it
 stands for. Three groups of figures are checked against the built models on CPU
@@ -19,8 +19,10 @@ The rest (capture and scoring scratch, MoE dispatch buffers, page window, backwa
 for Qwen3.6 the GPU kernels' saved sets: FLA's delta rule and l2norm instead of the PyTorch ones
 the CPU runs) is analytic: read off the code, not measured on a GPU; the report labels each item so.
 
-A family is one function `(spec, prompt_len) -> Footprint` registered in `FAMILIES`: `glm52`
-against this package's GLM-5.2 model, `qwen36` against its Qwen3.6 model (models/qwen36).
+A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
+model, `qwen36` against its Qwen3.6 model), named by the family's record (`Family.planner`,
+models/<family>/family.py); `FAMILIES` is that view of the registry
+(megatron_longstraw/families.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_longstraw import families as _registry
 # The public names of the family modules and the vocabulary, importable from `planner`.
 from megatron_longstraw.planner.common import (
     DTYPE_BYTES, Footprint, GPU_BYTES, GiB, Item, MiB, PageKind, ParamGroup, PlanSpec,
@@ -77,7 +80,9 @@ __all__ = [
     "zero_centred_norm_saved",
 ]
 
-FAMILIES: dict[str, Callable[[PlanSpec, int], Footprint]] = {"glm52": glm52, "qwen36": qwen36}
+FAMILIES: dict[str, Callable[[PlanSpec, int], Footprint]] = {
+    name: family.planner.footprint for name, family in _registry.FAMILIES.items()}
+"""Family name -> its planner function, from the registry."""
 
 
 # ---- the plan -----------------------------------------------------------------------------------

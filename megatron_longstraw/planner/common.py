@@ -46,7 +46,7 @@ class PlanSpec:
     lora_rank: int = 64
     """adapters.LoRAConfig.rank; adapters are fp32 (adapters.py's default for 16-bit bases)."""
     lora_experts: bool = False
-    """Adapters on the routed experts' linear_fc1/fc2 too (adapters.GLM52_TARGETS matches them
+    """Adapters on the routed experts' linear_fc1/fc2 too (GLM-5.2's Family.lora_targets match them
     unless `exclude=("*.experts.*",)`); off: attention, dense MLP and shared-expert linears."""
     trainable_params: int | None = None
     """Override the trainable-parameter count (e.g. a published adapter size)."""
@@ -91,7 +91,7 @@ class ParamGroup:
     kind: str = "other"
     """attention | indexer | mlp | experts | embedding | head | other"""
     lora_shapes: list[tuple[int, int]] = field(default_factory=list)
-    """(in, out) of each linear a LoRA adapter attaches to (adapters.GLM52_TARGETS)."""
+    """(in, out) of each linear a LoRA adapter attaches to (the family's Family.lora_targets)."""
 
 
 @dataclass

@@ -75,8 +75,9 @@ def qwen36_pages(cfg, kv_bytes: float, conv_bytes: float, state_bytes: float, cp
 
 
 def zero_centred_norm_saved(rows: int, width: int, acc: float) -> float:
-    """spec.ZeroCenteredRMSNorm over [rows, width], all in `acc`: pow's input, rsqrt's output, the
-    normalising product's two inputs, the gain product's two inputs ((1 + weight) is a new tensor)."""
+    """models/norms.ZeroCenteredRMSNorm over [rows, width], all in `acc`: pow's input, rsqrt's
+    output, the normalising product's two inputs, the gain product's two inputs ((1 + weight) is
+    a new tensor)."""
     return (3 * rows * width + 2 * rows + width) * acc
 
 
@@ -135,7 +136,7 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
     once.
 
     rows: this rank's branch rows (R, or R_pad / CP). prefix_len: this rank's captured prompt rows.
-    Under CP (DESIGN section 3 as models/qwen36 implements it; checked at CP = 2) GDN layers run
+    Under CP (docs/design.md section 3 as models/qwen36 implements it; checked at CP = 2) GDN layers run
     all R_pad rows for H_v / CP heads (in_proj output exchanged to heads and back), and full
     attention gathers all R_pad queries, keys and values, attends over [prefix shard; branch] and
     merges the partial outputs by log-sum-exp into this rank's rows. Returns the parts and the
@@ -172,7 +173,7 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
         gdn_outer += 8 * in_proj + 8 * s + conv * K * b
         gdn_after_core += 8 * s + s * hv * dv * b
     gdn_outer += gdn_after_core
-    l2norm = 3 * s * 2 * hk * dk * acc + 2 * s * 2 * hk * acc      # platform._torch_l2norm on [q; k]
+    l2norm = 3 * s * 2 * hk * dk * acc + 2 * s * 2 * hk * acc      # models/norms.l2norm on [q; k]
     l2norm_device = s * 2 * hk * (dk * b + 4)                       # FLA l2norm: output, rstd
     core, core_transient = torch_chunk_delta_rule_saved(s, hv, dk, dv, f)
     gdn = gdn_outer + l2norm + core

@@ -1,36 +1,34 @@
-"""State-aware MLA + DSA attention for GLM-5.2: one set of Megatron weights, three modes.
+"""State-aware MLA + DSA attention for GLM-5.2.
 
 The module is Megatron-Core's `MLASelfAttention` (same submodules, same parameter names, built from the
-same spec) with `forward` replaced, and `core_attention` swapped for `DSAIndexHolder`, which holds
-Megatron's own `DSAIndexer` on layers that compute a top-k and nothing on IndexShare layers. The
-forward computes in absorbed-MLA form (FlashMLA's sparse contract):
+same spec) as an absorbed-MLA mixer (`models/mla.py`: latent rows, absorbed queries, the W_UV
+up-projection; `models/mixer.py`: the modes), with `core_attention` swapped for `DSAIndexHolder`,
+which holds Megatron's own `DSAIndexer` on layers that compute a top-k and nothing on IndexShare
+layers. Each query attends over its DSA selection (FlashMLA's sparse contract):
 
-    latent_t = [kv_norm(c_kv_t); rope(k_pe_t)]                    [t, kv_lora_rank + rope]
-    query_s  = [q_nope_s @ W_UK; rope(q_pe_s)]                    [s, h, kv_lora_rank + rope]
-    out_s    = (softmax_{t in topk(s)}(query_s . latent_t * scale) @ c_kv_t) @ W_UV
+    out_s = (softmax_{t in topk(s)}(query_s . latent_t * scale) @ c_kv_t) @ W_UV
 
-which equals standard MLA with up-projected keys/values (matrix associativity). Which keys exist and
-which positions the tokens have come from the installed `AttentionPass` (see `state.py`):
 `full` attends over the current tokens; `capture` also writes each token's latent row and index key
-to the page store and keeps no autograd state; `replay` attends over the captured prompt pages plus
-the current tokens' own rows. Prompt pages are constants: the replay gradient is the conditional
-gradient d loss / d theta at fixed prompt state (DESIGN section 7); `PageStore.leaf` is the hook for
-the exact prompt-gradient mode.
+to the pages and keeps no autograd state; `score` and `replay` attend over the captured prompt
+pages plus the current tokens' own rows (replay reuses scoring's selections: indexer replay).
+Prompt pages are constants: the replay gradient is the conditional gradient d loss / d theta at
+fixed prompt state (docs/design.md section 7); `PageStore.leaf` is the hook for the exact prompt-gradient
+mode.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_longstraw import parallel
 from megatron_longstraw.kernels import select
+from megatron_longstraw.models import context_parallel
 from megatron_longstraw.models.glm52.config import has_own_indexer
-from megatron_longstraw.state import AttentionPass, current_pass
+from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
+from megatron_longstraw.state import AttentionPass
 
-LATENT = "latent"        # page kind: MLA latent rows [c_kv; k_pe]
 INDEX_KEY = "index_key"  # page kind: DSA indexer key rows
 
 
@@ -60,57 +58,57 @@ class DSAIndexHolder(MegatronModule):
             self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
 
 
-class LongStrawMLASelfAttention(MLASelfAttention):
-    """Megatron's MLA self-attention with a capture/replay-aware forward (see module docstring)."""
+class LongStrawMLASelfAttention(AbsorbedMLA):
+    """Megatron's MLA self-attention as a state-aware mixer (`models/mixer.py` dispatches the
+    modes; see the module docstring for the math)."""
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused_kwargs):
-        """hidden_states: [s, 1, hidden] (input-layernormed). Returns (output [s, 1, hidden], bias)."""
-        if hidden_states.shape[1] != 1:
-            raise ValueError("LongStraw attention processes one sequence at a time (batch 1); got "
-                             f"batch {hidden_states.shape[1]}.")
-        core: DSAIndexHolder = self.core_attention
-        state = current_pass() or self._implicit_full_pass(hidden_states, core.layer_idx)
-        if state.mode == "full" and self.config.context_parallel_size > 1:
-            raise ValueError(
-                "A plain forward of this model has no context-parallel layout (each rank would "
-                f"treat its shard as a whole sequence); the model was built for CP="
-                f"{self.config.context_parallel_size}: run it through LongStraw capture and replay "
-                "(schedule.forward_backward_longstraw / replay.score_member), or build it with CP 1.")
-        if state.mode == "replay" and state.cp.size > 1:
-            out = self._replay_context_parallel(hidden_states, state)
-        else:
-            out = self._attend_local_keys(hidden_states, state)
-        return self.linear_proj(out.reshape(hidden_states.shape[0], 1, -1))
+    @property
+    def layer_idx(self) -> int:
+        return self.core_attention.layer_idx
 
-    def _attend_local_keys(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
-        """Every key this rank attends to is materialised here: the current tokens' own rows, the
-        captured prefix (replay), or the whole prompt gathered across CP (capture). -> [s, h, v]"""
-        core: DSAIndexHolder = self.core_attention
-        own_latents, own_index_keys = self._token_rows(x, state)
-        if state.mode == "capture":
-            state.pages.append(core.layer_idx, LATENT, own_latents)
-            if own_index_keys is not None:
-                state.pages.append(core.layer_idx, INDEX_KEY, own_index_keys)
+    def plain_pass(self, hidden_states: torch.Tensor) -> AttentionPass:
+        return self._implicit_full_pass(hidden_states, self.layer_idx)
 
-        key_latents, key_index, key_positions = own_latents, own_index_keys, state.positions
-        if state.mode == "capture" and state.cp.size > 1:
-            # The prompt is sharded: every rank sees the whole prompt's keys (global causal
-            # context, global top-k) in position order, and keeps only its own rows as pages.
-            total = state.global_len
-            key_latents = parallel.gather_sequence(own_latents, state.positions, total, state.cp)
-            if own_index_keys is not None:
-                key_index = parallel.gather_sequence(own_index_keys, state.positions, total, state.cp)
-            key_positions = torch.arange(total, device=x.device)
-        elif state.mode == "replay" and state.prefix_len > 0:
-            read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
-            prefix_latents = read(core.layer_idx, LATENT, x.device)
-            key_latents = torch.cat([prefix_latents.to(own_latents.dtype), own_latents])
-            if own_index_keys is not None:
-                prefix_index = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
-                key_index = torch.cat([prefix_index.to(own_index_keys.dtype), own_index_keys])
-            key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
-                                       state.positions])
+    def forward_full(self, x: torch.Tensor, state: AttentionPass):
+        """Over the current tokens' own rows."""
+        latents, index_keys = self._token_rows(x, state)
+        return self._project_out(self._attend(x, state, latents, index_keys, state.positions))
 
+    def forward_capture(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt (this rank's shard): its rows become pages; its queries attend over the
+        whole prompt's rows (gathered across CP in position order: global causal context and
+        global top-k)."""
+        latents, index_keys = self._token_rows(x, state)
+        self.write_rows(state, LATENT, latents)
+        if index_keys is not None:
+            self.write_rows(state, INDEX_KEY, index_keys)
+            state.selections.clear()   # capture keeps one [P, k] selection: the latest full layer's
+        positions = state.positions
+        if state.cp.size > 1:
+            latents, positions = context_parallel.gather_prompt_keys(latents, state)
+            if index_keys is not None:
+                index_keys, _ = context_parallel.gather_prompt_keys(index_keys, state)
+        return self._project_out(self._attend(x, state, latents, index_keys, positions))
+
+    def forward_replay(self, x: torch.Tensor, state: AttentionPass):
+        """One branch over the captured pages plus its own rows."""
+        if state.cp.size > 1:
+            return self._project_out(self._replay_context_parallel(x, state))
+        latents, index_keys = self._token_rows(x, state)
+        positions = state.positions
+        if state.prefix_len > 0:
+            latents = torch.cat([self.read_page(state, LATENT, x.device, latents.dtype), latents])
+            if index_keys is not None:   # index keys feed the top-k only: never a gradient
+                prefix_index = self.read_page(state, INDEX_KEY, x.device, index_keys.dtype,
+                                              differentiable=False)
+                index_keys = torch.cat([prefix_index, index_keys])
+            positions = torch.cat([torch.arange(state.prefix_len, device=x.device), positions])
+        return self._project_out(self._attend(x, state, latents, index_keys, positions))
+
+    def _attend(self, x: torch.Tensor, state: AttentionPass, key_latents, key_index,
+                key_positions) -> torch.Tensor:
+        """The current tokens' queries, per query block, over keys all held here (latent rows
+        [t, d_qk], index keys [t, d_i] or None, global positions [t]). -> [s, h, v]"""
         outputs = []
         for start in range(0, x.shape[0], state.query_block):
             end = min(start + state.query_block, x.shape[0])
@@ -119,73 +117,70 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                                         lambda q_index, w: self._topk_local(
                                             q_index, w, key_index, key_positions,
                                             state.positions[start:end], state))
-            kernels = select.kernels()
-            out_latent, _ = kernels.sparse_mla_attention(query, key_latents, selection,
-                                                         self.softmax_scale, self.config.kv_lora_rank)
+            out_latent, _ = select.kernels().sparse_mla_attention(
+                query, key_latents, selection, self.softmax_scale, self.config.kv_lora_rank)
             outputs.append(self._up_project_values(out_latent))
         return torch.cat(outputs)
 
     def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
-        """Replay with the prompt sharded over CP (DESIGN section 3). This rank owns rows
-        [start, end) of the branch. The branch's queries are gathered; each rank attends them over
-        its own prompt shard (and rank 0 over the branch's own rows as well, so those count once);
-        the partial outputs merge by log-sum-exp and each rank keeps its own rows. -> [c, h, v]"""
+        """A branch pass with the prompt sharded over CP (`models/context_parallel.py`): this rank
+        owns rows [start, end) of the branch; all branch queries attend over this rank's prompt
+        shard (and, on rank 0, the branch's own rows) with the global top-k, and the partial
+        outputs merge by log-sum-exp to the row owners. -> [c, h, v]"""
         core: DSAIndexHolder = self.core_attention
         cp = state.cp
         own_latents, own_index_keys = self._token_rows(x, state)
         q_compressed, query = self._queries(x, state.positions)
-        branch_positions = state.branch_positions                  # [R_pad], all ranks
-        all_query = parallel.gather_rows(query, cp)                # [R_pad, h, d_qk]
-        all_latents = parallel.gather_rows(own_latents, cp)        # [R_pad, d_qk]
+        branch_positions = cp.branch_positions                     # [R_pad], all ranks
 
         def candidates(q_index, weights):
             # Per query block: the exchanged candidates are [query_block, CP * 2 * top-k], not
             # [R, CP * 2 * top-k] (every rank runs the same blocks: each merge is a collective).
-            all_q = parallel.gather_rows(q_index, cp)
-            all_w = parallel.gather_rows(weights, cp)
-            prefix_keys = state.pages.fetch(core.layer_idx, INDEX_KEY, x.device)
-            all_index_keys = parallel.gather_rows(own_index_keys, cp)
+            all_q = parallel.gather_rows(q_index, cp.layout)
+            all_w = parallel.gather_rows(weights, cp.layout)
+            prefix_keys = self.read_page(state, INDEX_KEY, x.device, differentiable=False)
+            all_index_keys = parallel.gather_rows(own_index_keys, cp.layout)
             k = min(self.config.dsa_indexer_topk, state.prefix_len + branch_positions.numel())
             selection = []
             for start in range(0, all_q.shape[0], state.query_block):
                 rows = slice(start, start + state.query_block)
                 scores, pos = self._shard_topk(all_q[rows], all_w[rows], prefix_keys,
-                                               state.prefix_positions, branch_positions[rows], state)
+                                               cp.prefix_positions, branch_positions[rows], state)
                 own_s, own_p = self._shard_topk(all_q[rows], all_w[rows], all_index_keys,
                                                 branch_positions, branch_positions[rows], state)
-                if cp.rank != 0:  # the branch's own keys are candidates on exactly one rank
+                if not context_parallel.branch_keys_counted_here(state):
                     own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
                 selection.append(parallel.merge_topk_candidates(
-                    torch.cat([scores, own_s], 1), torch.cat([pos, own_p], 1), k, cp))
+                    torch.cat([scores, own_s], 1), torch.cat([pos, own_p], 1), k, cp.layout))
             return torch.cat(selection)
 
         selection = self._selection(x, q_compressed, state, 0, branch_positions.numel(),
                                     candidates, gathered=True)
-        # Keys here: this rank's prompt rows, then the branch's rows. Every rank holds the branch
-        # rows (so the autograd graph, and with it the order of backward collectives, is the same
-        # on every rank), but only rank 0 lets queries select them: they count exactly once.
-        read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
-        prefix_latents = read(core.layer_idx, LATENT, x.device).to(own_latents.dtype)
-        key_latents = torch.cat([prefix_latents, all_latents])
-        lookup = torch.full((state.prefix_len + branch_positions.numel(),), -1, dtype=torch.long,
-                            device=x.device)
-        lookup[state.prefix_positions] = torch.arange(prefix_latents.shape[0], device=x.device)
-        if cp.rank == 0:
-            lookup[branch_positions] = prefix_latents.shape[0] + torch.arange(
-                branch_positions.numel(), device=x.device)
-        local = torch.where(selection >= 0, lookup[selection.clamp(min=0)], -1)
 
-        outs, lses = [], []
-        kernels = select.kernels()
-        for start in range(0, all_query.shape[0], state.query_block):
-            end = min(start + state.query_block, all_query.shape[0])
-            out, lse = kernels.sparse_mla_attention(all_query[start:end], key_latents,
-                                                    local[start:end], self.softmax_scale,
-                                                    self.config.kv_lora_rank)
-            outs.append(out)
-            lses.append(lse)
-        return self._up_project_values(parallel.merge_partials_by_lse(torch.cat(outs),
-                                                                      torch.cat(lses), cp))
+        def attend(all_query, all_latents):
+            # Keys here: this rank's prompt rows, then the branch's rows; selected positions
+            # map to them (-1: a key held by another rank, or a branch key off rank 0).
+            prefix_latents = self.read_page(state, LATENT, x.device, own_latents.dtype)
+            key_latents = torch.cat([prefix_latents, all_latents])
+            lookup = torch.full((state.prefix_len + branch_positions.numel(),), -1,
+                                dtype=torch.long, device=x.device)
+            lookup[cp.prefix_positions] = torch.arange(prefix_latents.shape[0], device=x.device)
+            if context_parallel.branch_keys_counted_here(state):
+                lookup[branch_positions] = prefix_latents.shape[0] + torch.arange(
+                    branch_positions.numel(), device=x.device)
+            local = torch.where(selection >= 0, lookup[selection.clamp(min=0)], -1)
+            outs, lses = [], []
+            for start in range(0, all_query.shape[0], state.query_block):
+                end = min(start + state.query_block, all_query.shape[0])
+                out, lse = select.kernels().sparse_mla_attention(
+                    all_query[start:end], key_latents, local[start:end], self.softmax_scale,
+                    self.config.kv_lora_rank)
+                outs.append(out)
+                lses.append(lse)
+            return torch.cat(outs), torch.cat(lses)
+
+        merged = context_parallel.attend_branch(state, (query, own_latents), attend)
+        return self._up_project_values(merged)
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -208,17 +203,6 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 "activation recompute interleaved with another forward). Run such forwards inside "
                 "`with attention_pass(AttentionPass(mode='full', positions=...))`.")
         return state
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        return select.kernels().apply_rope(x, positions, self.config.rotary_base, interleaved)
-
-    def _latent_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[s, 1, h] -> latent rows [s, kv_lora_rank + rope]: kv_norm(c_kv) and roped k_pe."""
-        kv, _ = self.linear_kv_down_proj(x)
-        c_kv, k_pe = torch.split(kv[:, 0], [self.config.kv_lora_rank,
-                                            self.config.qk_pos_emb_head_dim], dim=-1)
-        c_kv = self.kv_layernorm(c_kv)
-        return torch.cat([c_kv, self._rope(k_pe, positions, interleaved=True)], dim=-1)
 
     def _index_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[s, 1, h] -> DSA index keys [s, index_head_dim] (LayerNorm, RoPE on the first dims)."""
@@ -245,31 +229,6 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 with torch.no_grad():  # keys only feed the selection (no gradient path)
                     index_keys.append(self._index_keys(x[start:end], state.positions[start:end]))
         return torch.cat(latents), (torch.cat(index_keys) if index_keys else None)
-
-    def _queries(self, x: torch.Tensor, positions: torch.Tensor):
-        """[s, 1, h] -> (q_compressed [s, 1, q_lora_rank], absorbed query [s, heads, d_qk])."""
-        cfg = self.config
-        q_compressed, _ = self.linear_q_down_proj(x)
-        q_compressed = self.q_layernorm(q_compressed)
-        q, _ = self.linear_q_up_proj(q_compressed)
-        q = q[:, 0].view(x.shape[0], self.num_attention_heads_per_partition, self.q_head_dim)
-        q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        w_uk, _ = self._absorbed_weights()
-        query = torch.cat([torch.einsum("shd,hdr->shr", q_nope, w_uk),
-                           self._rope(q_pe, positions, interleaved=True)], dim=-1)
-        return q_compressed, query
-
-    def _absorbed_weights(self):
-        """W_UK [heads, qk_head_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank]."""
-        cfg = self.config
-        w_kv = self.linear_kv_up_proj.weight.view(self.num_attention_heads_per_partition,
-                                                  cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        return torch.split(w_kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=1)
-
-    def _up_project_values(self, out_latent: torch.Tensor) -> torch.Tensor:
-        """[s, heads, kv_lora_rank] -> [s, heads, v_head_dim]."""
-        _, w_uv = self._absorbed_weights()
-        return torch.einsum("shr,hvr->shv", out_latent, w_uv)
 
     def _index_queries(self, x, q_compressed, positions):
         """Indexer queries [s, h_i, d_i] (RoPE'd) and head weights [s, h_i] of the current rows."""
@@ -326,8 +285,6 @@ class LongStrawMLASelfAttention(MLASelfAttention):
                 rows = state.positions if gathered else state.positions[start:end]
                 q_index, weights = self._index_queries(x, q_compressed, rows)
                 selection = compute(q_index, weights)
-            if state.mode == "capture" and start == 0:
-                selections.clear()  # capture keeps one [P, k] selection: the latest full layer's
             previous = selections.get(core.layer_idx)
             selections[core.layer_idx] = (selection if start == 0 or previous is None
                                           else torch.cat([previous, selection]))

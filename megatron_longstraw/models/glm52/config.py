@@ -152,7 +152,7 @@ class GLM52Config(ConfigFiles):
         return sum(self.has_own_indexer(i) for i in range(self.num_hidden_layers))
 
     def page_bytes_per_token(self, latent_bytes: float = 2, index_key_bytes: float = 2) -> float:
-        """Captured state per prompt token (DESIGN section 9): one MLA latent row
+        """Captured state per prompt token (docs/design.md section 9): one MLA latent row
         `[c_kv; k_pe]` per layer plus one index-key row per full indexer layer.
         `latent_bytes` / `index_key_bytes` are bytes per element (bf16: 2; fp8 keys with one fp32
         scale per row: 1 + 4 / index_head_dim)."""

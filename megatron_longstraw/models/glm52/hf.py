@@ -15,11 +15,13 @@ our spec builds the latent norms with `GLM52Config.latent_norm_eps` (default 1e-
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from megatron_longstraw.models.family import HFConversion
 from megatron_longstraw.models.glm52.config import GLM52Config, has_own_indexer
 
 if TYPE_CHECKING:
@@ -280,3 +282,66 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module
     with torch.no_grad():
         for name, value in writes:
             meg[name].copy_(value)
+
+
+# ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
+# On disk HF keeps routed experts as `mlp.experts.{e}.{gate,up,down}_proj.weight` (transformers
+# stacks them into `gate_up_proj` / `down_proj` when loading); both layouts are read, the on-disk
+# one is written. Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped.
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def expert_slot(stacked: str, expert: int) -> list[str]:
+    """On-disk names of routed expert `expert` inside transformers' stacked tensor `stacked`
+    (`...mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `...down_proj` [E, H, I])."""
+    prefix, kind = stacked.rsplit(".", 1)
+    if kind == "gate_up_proj":
+        return [f"{prefix}.{expert}.gate_proj.weight", f"{prefix}.{expert}.up_proj.weight"]
+    return [f"{prefix}.{expert}.down_proj.weight"]
+
+
+def _text_names(cfg: GLM52Config, names) -> dict[str, str]:
+    """{name in the mapping: on-disk name}, without the MTP layers (index >= num_hidden_layers)."""
+    return {n: n for n in names
+            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers)}
+
+
+def _to_ours(cfg: GLM52Config, entry: _Entry, read, dtype: torch.dtype, available) -> list:
+    if entry.kind == "copy":
+        values = [read(entry.hf[0])]
+    elif entry.kind == "cat":  # dense / shared-expert [gate; up]
+        values = [torch.cat([read(n) for n in entry.hf])]
+    elif entry.hf[0] in available:  # routed experts saved stacked (transformers' in-memory layout)
+        values = list(read(entry.hf[0]).unbind(0))
+    else:                           # routed experts one by one (the layout save_pretrained writes)
+        values = [torch.cat([read(n) for n in expert_slot(entry.hf[0], e)])
+                  for e in range(len(entry.meg))]
+    return list(zip(entry.meg, values))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _to_hf(cfg: GLM52Config, entry: _Entry) -> list:
+    first, second = (lambda t: t.chunk(2)[0]), (lambda t: t.chunk(2)[1])  # [gate; up] rows
+    if entry.kind == "copy":
+        return [(entry.hf[0], entry.meg[0], _identity)]
+    if entry.kind == "cat":
+        return [(entry.hf[0], entry.meg[0], first), (entry.hf[1], entry.meg[0], second)]
+    plan = []
+    for e, meg in enumerate(entry.meg):
+        parts = expert_slot(entry.hf[0], e)
+        rows = [first, second] if len(parts) == 2 else [_identity]
+        plan += [(hf, meg, row) for hf, row in zip(parts, rows)]
+    return plan
+
+
+HF_CONVERSION = HFConversion(
+    title="GLM-5.2 text model", model_types=("glm_moe_dsa",), hf_config_class="GlmMoeDsaConfig",
+    hf_model_class="GlmMoeDsaForCausalLM", config_from_hf=glm52_config_from_hf,
+    hf_config=hf_config, mapping=_mapping, text_config=lambda hf_cfg: dict(hf_cfg),
+    text_names=_text_names, to_ours=_to_ours, to_hf=_to_hf, expert_names=expert_slot,
+    # Megatron keeps the routers' expert_bias in float32 whatever the parameter dtype.
+    float32_names=("router.expert_bias", "e_score_correction_bias"))

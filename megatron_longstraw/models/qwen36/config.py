@@ -119,7 +119,7 @@ class Qwen36Config(ConfigFiles):
                 + self.linear_num_value_heads * self.linear_value_head_dim)
 
     def page_bytes_per_token(self, kv_bytes: float = 2) -> float:
-        """Captured state per prompt token (DESIGN section 9): one K and one V row (after QK norm;
+        """Captured state per prompt token (docs/design.md section 9): one K and one V row (after QK norm;
         K after RoPE) per full-attention layer. `kv_bytes`: bytes per element (bf16: 2)."""
         return (self.num_full_attention_layers() * 2 * self.num_key_value_heads * self.head_dim
                 * kv_bytes)

@@ -41,36 +41,41 @@ from megatron.core.ssm.gated_delta_net.common import (
     get_parameter_local_cp,
 )
 
-from megatron_longstraw.parallel import CPLayout, HeadParallel
-
+from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
-from megatron_longstraw.state import AttentionPass, current_pass
+from megatron_longstraw.parallel import HeadParallel
+from megatron_longstraw.state import AttentionPass
 
 GDN_STATE = "gdn_state"  # fixed page kind: recurrent state [H_v, d_k, d_v] after the prefix
 CONV_TAIL = "conv_tail"  # fixed page kind: last kernel - 1 conv inputs [kernel - 1, conv_dim]
 
 
-class LongStrawGatedDeltaNet(GatedDeltaNet):
-    """Megatron's Gated DeltaNet with a capture/replay-aware forward (see module docstring)."""
+class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
+    """Megatron's Gated DeltaNet as a state-aware mixer (`models/mixer.py` dispatches the modes;
+    see the module docstring for the math)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.layer_idx = decoder_layer_index(self.layer_number)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused_kwargs):
-        """hidden_states: [s, 1, hidden] (input-layernormed). Returns (output [s, 1, hidden], bias)."""
-        if hidden_states.shape[1] != 1:
-            raise ValueError("LongStraw GDN processes one sequence at a time (batch 1); got batch "
-                             f"{hidden_states.shape[1]}.")
-        if self.tp_size > 1:
-            raise ValueError("Qwen3.6 GDN layers run with tensor parallel size 1 (build_qwen36_model "
-                             "rejects other layouts).")
-        state = current_pass()
-        exchange = self._exchange(hidden_states, state)
-        if state is not None and state.mode == "capture":
-            return self._capture(hidden_states, state, exchange), None
-        conv_tail, recurrent = self._start_state(hidden_states, state)
-        projected = self._to_heads(self.in_proj(hidden_states)[0], exchange)
+    def forward_full(self, x: torch.Tensor, state: AttentionPass):
+        """From zero state (Megatron's zero-padded conv and zero initial state)."""
+        return self._continue(x, state, *self._zero_state(x))
+
+    def forward_capture(self, x: torch.Tensor, state: AttentionPass):
+        return self._capture(x, state, self._exchange(x, state)), None
+
+    def forward_replay(self, x: torch.Tensor, state: AttentionPass):
+        """From the captured prefix's state (zeros when nothing was captured)."""
+        if state.prefix_len == 0:
+            return self.forward_full(x, state)
+        tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
+        return self._continue(x, state, tail, self.read_page(state, GDN_STATE, x.device)[None])
+
+    def _continue(self, x: torch.Tensor, state: AttentionPass, conv_tail, recurrent):
+        """The branch (or whole sequence) continuing from (conv_tail, recurrent)."""
+        exchange = self._exchange(x, state)
+        projected = self._to_heads(self.in_proj(x)[0], exchange)
         mixed, _, _ = self._mix(projected, conv_tail, recurrent, False)
         return self.out_proj(self._to_rows(mixed, exchange))
 
@@ -79,7 +84,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet):
         store the final pair. On one process everything is per token block; under CP the exchange
         needs this rank's whole `in_proj` output (the size of its shard of the prompt)."""
         block = state.token_block
-        conv_tail, recurrent = self._start_state(x, state)
+        conv_tail, recurrent = self._zero_state(x)
         blocks = range(0, x.shape[0], block)
         if exchange is None:
             outputs = []
@@ -98,26 +103,18 @@ class LongStrawGatedDeltaNet(GatedDeltaNet):
             mixed = self._to_rows(torch.cat(mixed), exchange)     # [n_local, 1, H_v * d_v]
             del projected
             outputs = [self.out_proj(mixed[s:s + block])[0] for s in blocks]
-        state.pages.put(self.layer_idx, GDN_STATE, recurrent[0])
-        state.pages.put(self.layer_idx, CONV_TAIL, conv_tail)
+        self.write_state(state, GDN_STATE, recurrent[0])
+        self.write_state(state, CONV_TAIL, conv_tail)
         return torch.cat(outputs)
 
-    def _exchange(self, x: torch.Tensor, state: AttentionPass | None) -> HeadParallel | None:
+    def _exchange(self, x: torch.Tensor, state: AttentionPass) -> HeadParallel | None:
         """The rows <-> heads exchange of this pass under CP (None on one process)."""
-        layout = state.cp if state is not None else CPLayout()
-        if layout.size != self.cp_size:
-            raise ValueError(
-                f"This GDN layer was built for context parallel size {self.cp_size} but the pass "
-                f"runs with {layout.size}: under CP the model runs only inside LongStraw capture and "
-                "replay (a plain forward has no context-parallel layout).")
-        if layout.size == 1:
+        cp = state.cp
+        if cp.size == 1:
             return None
         if state.mode == "capture":
-            return HeadParallel.for_prompt(layout, state.global_len, x.device)
-        if state.mode == "replay":
-            return HeadParallel.for_branch(layout, state.branch_len, x.device)
-        raise ValueError(f"A {state.mode!r} pass has no context-parallel layout for GDN layers; under "
-                         "CP run the model through LongStraw capture and replay.")
+            return HeadParallel.for_prompt(cp.layout, cp.global_len, x.device)
+        return HeadParallel.for_branch(cp.layout, cp.branch_len, x.device)
 
     def _to_heads(self, projected: torch.Tensor, exchange: HeadParallel | None) -> torch.Tensor:
         """`in_proj` output [n, 1, in_proj_dim] -> [S, 1, in_proj_dim / CP]: every row of this
@@ -134,14 +131,9 @@ class LongStrawGatedDeltaNet(GatedDeltaNet):
             return mixed
         return exchange.to_rows(mixed[:, 0])[:, None]
 
-    def _start_state(self, x: torch.Tensor, state: AttentionPass | None):
-        """(conv tail [kernel - 1, conv_dim / CP], recurrent state [1, H_v / CP, d_k, d_v] or None)
-        before the current tokens: the captured prefix's in replay, zeros (None: the kernel's
-        zeros) otherwise."""
-        if state is not None and state.mode == "replay" and state.prefix_len > 0:
-            read = state.pages.leaf if state.prompt_state_grad else state.pages.fetch
-            tail = read(self.layer_idx, CONV_TAIL, x.device).to(x.dtype)
-            return tail, read(self.layer_idx, GDN_STATE, x.device)[None]
+    def _zero_state(self, x: torch.Tensor):
+        """(conv tail [kernel - 1, conv_dim / CP] of zeros, recurrent state None: the kernel's
+        zeros) before the first token."""
         return x.new_zeros(self.conv_kernel_dim - 1, self.conv_dim_local_tp // self.cp_size), None
 
     def _mix(self, qkvzba: torch.Tensor, conv_tail: torch.Tensor, recurrent, keep_state: bool):

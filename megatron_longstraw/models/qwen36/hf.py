@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from megatron_longstraw.models.family import HFConversion
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 
 if TYPE_CHECKING:
@@ -262,3 +263,56 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module
     with torch.no_grad():
         for name, value in writes:
             meg[name].copy_(value)
+
+
+# ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
+# A vision-language checkpoint's text model is converted (`model.language_model.*`);
+# `model.visual.*` and the MTP head `mtp.*` are skipped; --to-hf writes a text-only
+# `Qwen3_5ForCausalLM`.
+
+
+def _text_config(hf_cfg: dict) -> dict:
+    """The text model's config.json values (a vision-language config keeps them in text_config)."""
+    values = dict(hf_cfg.get("text_config") or hf_cfg)
+    values.pop("model_type", None)
+    return values
+
+
+def _text_names(cfg: Qwen36Config, names) -> dict[str, str]:
+    """{Qwen3_5ForCausalLM name: on-disk name}: text_state_dict's renaming and dropping (vision
+    tower, MTP head), applied to the names (each maps to itself there)."""
+    return text_state_dict({n: n for n in names})
+
+
+def _to_ours(cfg: Qwen36Config, entry: _Entry, read, dtype: torch.dtype, available) -> list:
+    values = [read(n) for n in entry.hf]
+    if entry.kind == "copy":
+        return [(entry.meg, values[0])]
+    if entry.kind == "minus_one":  # plain gain -> zero-centred, in the format's dtype
+        return [(entry.meg, values[0].to(dtype) - 1)]
+    if entry.kind == "cat":
+        return [(entry.meg, torch.cat(values))]
+    return [(entry.meg, _qkv_to_megatron(cfg, *values))]  # gated_qkv
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _to_hf(cfg: Qwen36Config, entry: _Entry) -> list:
+    if entry.kind == "copy":
+        return [(entry.hf[0], entry.meg, _identity)]
+    if entry.kind == "minus_one":
+        return [(entry.hf[0], entry.meg, lambda t: t + 1)]
+    if entry.kind == "cat":
+        sizes = _cat_sizes(cfg, entry)
+        return [(hf, entry.meg, lambda t, j=j: t.split(sizes)[j]) for j, hf in enumerate(entry.hf)]
+    return [(hf, entry.meg, lambda t, j=j: _qkv_to_hf(cfg, t)[j])  # gated_qkv
+            for j, hf in enumerate(entry.hf)]
+
+
+HF_CONVERSION = HFConversion(
+    title="Qwen3.6 / Qwen3.5 Gated-DeltaNet hybrid", model_types=("qwen3_5_text", "qwen3_5"),
+    hf_config_class="Qwen3_5TextConfig", hf_model_class="Qwen3_5ForCausalLM",
+    config_from_hf=qwen36_config_from_hf, hf_config=hf_config, mapping=_mapping,
+    text_config=_text_config, text_names=_text_names, to_ours=_to_ours, to_hf=_to_hf)

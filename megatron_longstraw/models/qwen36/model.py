@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron_longstraw import parallel, platform
+from megatron_longstraw import parallel, precision
 from megatron_longstraw.models.common import build_hybrid_model
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.spec import qwen36_stack_spec
@@ -15,12 +15,11 @@ def build_qwen36_model(cfg: Qwen36Config, params_dtype: torch.dtype = torch.floa
                        backend=None, **parallel_overrides) -> HybridModel:
     """A `HybridModel` with pattern `G-G-G-*-` x (L / 4). Model-parallel state and RNG must be
     initialised (`parallel.initialize`; context parallel sizes that divide the GDN heads, no TP or
-    EP); on CPU, `platform.apply()` runs first. `backend` is a
-    Megatron spec provider for the linear layers (None: the local one; kernels.select's
-    `dense_spec_provider()` gives TransformerEngine's when selected)."""
-    platform.apply()
-    if params_dtype == torch.float64:
-        platform.enable_fp64_gdn()
+    EP), which also applies platform.py; a float64 model needs `precision.use_dtype(torch.float64)`
+    first (the caller's choice; checked here). `backend` is a Megatron spec provider for the linear
+    layers (None: the local one; kernels.select's `dense_spec_provider()` gives TransformerEngine's
+    when selected)."""
+    precision.check_dtype(params_dtype)
     sizes = {**parallel.current_sizes(), **parallel_overrides}
     cp = sizes.get("context_parallel_size", 1)
     if sizes.get("tensor_model_parallel_size", 1) > 1:

@@ -10,8 +10,9 @@ Starting point: `megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spe
   as spec params, since they are not TransformerConfig fields); its `core_attention` is an
   `IdentityOp` (the attention runs in `BlockwiseAttention`; Megatron's local DotProductAttention
   has no weights and refuses context parallelism);
-- every norm -> `ZeroCenteredRMSNorm` (Qwen3.5 norms are zero-centred; Megatron's local
-  `WrappedTorchNorm` refuses `layernorm_zero_centered_gamma`, TENorm would honour it);
+- every norm -> `ZeroCenteredRMSNorm` (models/norms.py; Qwen3.5 norms are zero-centred;
+  Megatron's local `WrappedTorchNorm` refuses `layernorm_zero_centered_gamma`, TENorm would
+  honour it);
 - TransformerEngine modules -> the local backend (`LocalSpecProvider`: ColumnParallelLinear,
   RowParallelLinear, DotProductAttention), with the input norm unfused from `in_proj` /
   `linear_qkv` (TE's LayerNormColumnParallelLinear) into the layer's `input_layernorm`.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -36,32 +36,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_longstraw.models.norms import ZeroCenteredRMSNorm
 from megatron_longstraw.models.qwen36.attention import LongStrawGatedSelfAttention
 from megatron_longstraw.models.qwen36.gdn import LongStrawGatedDeltaNet
-
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """RMSNorm with a zero-centred gain (TE's `zero_centered_gamma`, transformers' `Qwen3_5RMSNorm`):
-
-        y = x / sqrt(mean(x^2) + eps) * (1 + weight),   weight initialised to 0,
-
-    over the last dim, computed in float32 or wider and returned in x's dtype. Built like Megatron's
-    norms (`config=`, `hidden_size=`, `eps=`); the parameter is `weight`."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused_kwargs):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
-        y = x.to(acc)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(acc))).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered"
 
 
 def _mixer_layer(mixer: ModuleSpec, norm) -> ModuleSpec:

@@ -1,0 +1,92 @@
+"""The mixer protocol: what every state-aware token mixer shares, written once.
+
+A mixer is the module of a decoder layer that reads other tokens: GLM-5.2's MLA + DSA, Qwen3.6's
+gated attention and Gated DeltaNet. Each is Megatron-Core's own module (same submodules, same
+parameter names, built from the same spec) with `StateAwareMixer` placed first in its bases:
+
+    class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet): ...
+
+Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateAwareMixer.forward`
+
+1. checks the input: one sequence ([s, 1, hidden]), tensor-parallel size 1;
+2. finds the pass: the installed `AttentionPass` (`state.py`), or a plain full-sequence pass from
+   position 0 (`plain_pass`), so the model is still an ordinary Megatron model;
+3. refuses a pass whose context-parallel size is not the one the model was built for (a plain
+   forward of a CP model would treat each rank's shard as a whole sequence);
+4. dispatches, once, on the mode to the family's method `forward_<mode>(hidden_states, state)`:
+   `forward_full`, `forward_capture`, `forward_score` (default: `forward_replay`, which scoring
+   runs without autograd) and `forward_replay`; the prompt backward and decoding will be two more.
+
+Page reads and writes go through `read_page`, `write_rows`, `write_state`, so the choice between a
+constant prompt state and a differentiable one (`PageStore.leaf`, the exact prompt-gradient hook)
+is made here, once. A family's mixer keeps only its math; the context-parallel exchanges it needs
+are functions of `models/context_parallel.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_longstraw.state import AttentionPass, current_pass
+
+
+class StateAwareMixer:
+    """Mode dispatch, input checks and page access for a Megatron mixer module (module docstring).
+    Subclasses set `layer_idx` (0-based decoder layer: the pages' layer key) and implement the
+    `forward_<mode>` methods of the modes they support."""
+
+    layer_idx: int
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused_kwargs):
+        """hidden_states: [s, 1, hidden] (input-layernormed). Returns (output [s, 1, hidden], bias)."""
+        name = type(self).__name__
+        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+            raise ValueError(f"{name} processes one sequence at a time ([s, 1, hidden], batch 1); "
+                             f"got shape {tuple(hidden_states.shape)}.")
+        if self.config.tensor_model_parallel_size > 1:
+            raise ValueError(f"{name} runs with tensor parallel size 1 (LongStraw folds CP and EP; "
+                             "set --tensor-model-parallel-size 1).")
+        state = current_pass() or self.plain_pass(hidden_states)
+        built = self.config.context_parallel_size
+        if state.cp.size != built:
+            raise ValueError(
+                f"A {state.mode!r} pass with context parallel size {state.cp.size} reached "
+                f"{name} of decoder layer {self.layer_idx}, built for context parallel size "
+                f"{built}. A plain forward of this model has no context-parallel layout (each "
+                "rank would treat its shard as a whole sequence): run it through LongStraw "
+                "capture and replay (schedule.forward_backward_longstraw / replay.score_member), "
+                "or build it with CP 1.")
+        handler = getattr(self, f"forward_{state.mode}", None)
+        if handler is None:
+            raise ValueError(f"{name} has no {state.mode!r} mode.")
+        return handler(hidden_states, state)
+
+    def plain_pass(self, hidden_states: torch.Tensor) -> AttentionPass:
+        """The pass of a plain Megatron forward: the current tokens are one sequence from 0."""
+        positions = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+        return AttentionPass(mode="full", positions=positions)
+
+    def forward_score(self, hidden_states: torch.Tensor, state: AttentionPass):
+        """Pre-step scoring: the replay computation without autograd."""
+        return self.forward_replay(hidden_states, state)
+
+    # ---- pages ------------------------------------------------------------------------------
+
+    def read_page(self, state: AttentionPass, kind: str, device, dtype: torch.dtype | None = None,
+                  differentiable: bool = True) -> torch.Tensor:
+        """This layer's captured `kind` on `device` (as `dtype`). With the pass's
+        `prompt_state_grad` and `differentiable`, a leaf that collects d loss / d state
+        (`PageStore.leaf`); otherwise a constant."""
+        if differentiable and state.prompt_state_grad:
+            page = state.pages.leaf(self.layer_idx, kind, device)
+        else:
+            page = state.pages.fetch(self.layer_idx, kind, device)
+        return page if dtype is None else page.to(dtype)
+
+    def write_rows(self, state: AttentionPass, kind: str, rows: torch.Tensor) -> None:
+        """Append per-token rows [n, ...] of `kind` (capture, in position order of this rank)."""
+        state.pages.append(self.layer_idx, kind, rows)
+
+    def write_state(self, state: AttentionPass, kind: str, tensor: torch.Tensor) -> None:
+        """Store fixed-size state of `kind` (e.g. a recurrent state after the prefix)."""
+        state.pages.put(self.layer_idx, kind, tensor)
