@@ -1,0 +1,11 @@
+"""The sections of tools/device_check.py (the driver: arguments, section order, time budget):
+
+    common.py       RESULTS (what --json writes) and the report helpers: say, run_section, check,
+                    median_ms
+    environment.py  1. torch, CUDA, GPU, flash-linear-attention, kernel backends
+    kernels.py      2. Triton sparse MLA in the CPU interpreter; 3 + 4. GPU parity and timing of
+                    sparse MLA, the indexer, TransformerEngine and apex
+    gdn.py          5. Qwen3.6 Gated DeltaNet kernel parity and timing
+    sweep.py        building a model on the GPU and the prompt-length sweep of the model steps
+    steps.py        6 + 7. one LongStraw step of GLM-5.2 and of Qwen3.6
+"""
