@@ -9,10 +9,11 @@ family-independent.
 
 from __future__ import annotations
 
-from megatron_longstraw.models import glm52, qwen36
+from megatron_longstraw.models import deepseekv3, glm52, qwen36
 from megatron_longstraw.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (glm52.FAMILY, qwen36.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (glm52.FAMILY, qwen36.FAMILY,
+                                                    deepseekv3.FAMILY)}
 
 __all__ = ["FAMILIES", "Family", "check_parallel_sizes", "get_family"]
 

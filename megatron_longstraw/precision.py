@@ -44,9 +44,10 @@ def enable_fp64_routing() -> None:
     `torch.sigmoid(logits.float())`, whatever the logits' dtype. In a float64 model that rounds the
     routing weights to float32 (~6e-8 relative), so two float64 computations of the same token that
     differ in the last bit of a logit can differ by ~1e-10 downstream: too coarse for fp64 parity
-    tests. This wrapper applies only to float64 logits with sigmoid scores and no group limit,
-    replay or precomputed indices, and computes exactly Megatron's formula (top-k of
-    sigmoid + expert_bias, weights sigmoid at the chosen experts normalised and scaled) in float64.
+    tests. This wrapper applies only to float64 logits with sigmoid scores and no replay or
+    precomputed indices, and computes exactly Megatron's formula (top-k of sigmoid + expert_bias,
+    group-limited by Megatron's own `group_limited_topk` when `group_topk` is set, as DeepSeek-V3
+    routes; weights sigmoid at the chosen experts normalised and scaled) in float64.
     Everything else, bf16 and fp32 training included, calls Megatron's function unchanged.
     """
     global _FP64_ROUTING
@@ -61,14 +62,17 @@ def enable_fp64_routing() -> None:
                 scaling_factor=None, score_function="softmax", expert_bias=None, fused=False,
                 router_replay=None, dense_output=False, precomputed_indices=None):
         if (logits.dtype != torch.float64 or score_function != "sigmoid" or fused
-                or (num_groups or 1) > 1 or router_replay is not None
-                or precomputed_indices is not None):
+                or router_replay is not None or precomputed_indices is not None):
             return original(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                             score_function, expert_bias, fused, router_replay, dense_output,
                             precomputed_indices)
         scores = torch.sigmoid(logits)
         choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
-        top_indices = torch.topk(choice, k=topk, dim=1).indices
+        if group_topk:  # group-limited (DeepSeek-V3): Megatron's function, float64 in and out
+            _, top_indices = moe_utils.group_limited_topk(choice, topk, logits.shape[0],
+                                                          logits.shape[1], num_groups, group_topk)
+        else:
+            top_indices = torch.topk(choice, k=topk, dim=1).indices
         probs = scores.gather(1, top_indices)
         probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else probs
         if scaling_factor:

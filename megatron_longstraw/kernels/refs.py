@@ -9,26 +9,69 @@ Shapes use `s` for query tokens, `t` for key tokens (prompt pages and/or the cur
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def rope_angles(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple:
-    """cos/sin of RoPE for integer `positions` [s]: two tensors [s, dim/2] (computed in float64)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+def rope_angles(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype,
+                inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> tuple:
+    """cos/sin of RoPE for integer `positions` [s]: two tensors [s, dim/2] (computed in float64).
+    `inv_freq` [dim/2] replaces the plain frequencies theta^(-2i/dim) (e.g. `yarn_inv_freq`);
+    `scale` multiplies both (YaRN's attention factor, `yarn_attention_factor`)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
+    freqs = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's cos/sin multiplier: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both
+    are set (DeepSeek-V3: 1.0), else mscale(factor) (transformers' `_compute_yarn_parameters`)."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_embeddings: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+                  device=None) -> torch.Tensor:
+    """YaRN ("NTK-by-parts") RoPE frequencies [dim/2], float64: the plain frequencies where a
+    dimension turns more than `beta_fast` times over the original context, those divided by
+    `factor` where it turns fewer than `beta_slow` times, a linear ramp between (transformers'
+    `_compute_yarn_parameters`, Megatron's `YarnRotaryEmbedding`)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as upstream: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
+    return plain / factor * ramp + plain * (1 - ramp)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool,
+               inv_freq: torch.Tensor | None = None, attention_factor: float = 1.0) -> torch.Tensor:
     """Rotary embedding on the last dim of `x` [s, ..., d] at integer `positions` [s].
 
     interleaved=True rotates pairs (x0, x1), (x2, x3), ... (DeepSeek/GLM MLA); False rotates
     (x_i, x_{i+d/2}) (half split). Both return the transformers layout `[rotated firsts; rotated
     seconds]`; q and k always go through the same function, so dot products are what the checkpoint
-    expects.
+    expects. `inv_freq` [d/2] and `attention_factor` (cos and sin scaled by it): scaled RoPE such
+    as YaRN (`yarn_inv_freq`, `yarn_attention_factor`); the defaults are plain RoPE.
     """
     d = x.shape[-1]
-    cos, sin = rope_angles(positions, d, theta, x.dtype)
+    cos, sin = rope_angles(positions, d, theta, x.dtype, inv_freq, attention_factor)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
     if interleaved:

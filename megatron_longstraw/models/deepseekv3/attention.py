@@ -1,0 +1,175 @@
+"""State-aware dense MLA attention for DeepSeek-V3: one set of Megatron weights, every mode.
+
+The module is Megatron-Core's `MLASelfAttention` (same submodules, same parameter names, built from
+the same spec) as an absorbed-MLA mixer (`models/mla.py`: latent rows, absorbed queries, the W_UV
+up-projection; `models/mixer.py`: the modes), with `core_attention` an `IdentityOp`. Every query
+attends causally over every latent row, as MQA with one shared key/value head:
+
+    q = [q_nope @ W_UK; rope(q_pe)]  [s, h, d_qk]     k = latent [t, 1, d_qk]   v = c_kv [t, 1, r]
+    out_s = (softmax_t(q_s . latent_t * scale) @ c_kv_t) @ W_UV
+
+through the kernel selector's `blockwise_attention` (`kernels/refs.py`: blocks of keys merged by
+log-sum-exp, flash-style backward; nothing [s, h, t] is ever held). `full` attends over the current
+tokens; `capture` writes each token's latent row (the only page kind: `LATENT`) and keeps no
+autograd state, running token blocks in order (a block's queries see the rows written so far), so
+nothing is O(P^2); `score` and `replay` attend over the captured pages plus the branch's own rows.
+Prompt pages are constants in replay (`PageStore.leaf` is the hook for the exact prompt-gradient
+mode).
+
+RoPE is YaRN when the spec says so (`yarn=True`, from `rope_type: yarn`): `kernels/refs.py`
+`yarn_inv_freq` and `yarn_attention_factor` (cos and sin scaled, as transformers does) replace the
+plain frequencies, with the YaRN fields of Megatron's `MLATransformerConfig`; the softmax scale is
+Megatron's own `softmax_scale`, mscale(factor, mscale_all_dim)^2 / sqrt(d), which is transformers'
+`yarn_apply_mscale` (tests/test_deepseekv3.py checks both).
+
+Context parallelism (`models/context_parallel.py`), as Qwen3.6's gated attention does it: capture
+streams every rank's latent shard past this rank's queries (`ring_attention`: never more than one
+shard of rows); branch passes gather the branch's queries and own rows, attend them over this
+rank's prompt shard (the branch's own rows visible on rank 0 only) and merge by log-sum-exp to the
+row owners (`attend_branch`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_longstraw.kernels import refs, select
+from megatron_longstraw.models import context_parallel
+from megatron_longstraw.models.deepseekv3.config import decoder_layer_index
+from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
+from megatron_longstraw.state import AttentionPass
+
+
+class LongStrawMLADenseAttention(AbsorbedMLA):
+    """Megatron's MLA self-attention as a state-aware mixer with dense causal attention over the
+    latents (see the module docstring for the math)."""
+
+    def __init__(self, config, submodules, layer_number: int, yarn: bool = False, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self.yarn = yarn
+
+    @property
+    def layer_idx(self) -> int:
+        return decoder_layer_index(self.layer_number)
+
+    # ---- modes ------------------------------------------------------------------------------
+
+    def forward_full(self, x: torch.Tensor, state: AttentionPass):
+        """The current tokens as one sequence (the full-sequence reference)."""
+        if not torch.is_grad_enabled():
+            return self._causal_in_order(x, state, write_pages=False)
+        latents = self._latent_rows(x, state.positions)
+        return self._project_out(self._attend(x, state.positions, latents, state.positions, state))
+
+    def forward_capture(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt (this rank's shard): its latent rows become pages."""
+        if state.cp.size > 1:
+            return self._capture_context_parallel(x, state)
+        return self._causal_in_order(x, state, write_pages=True)
+
+    def forward_replay(self, x: torch.Tensor, state: AttentionPass):
+        """One branch over the captured pages plus its own rows."""
+        if state.cp.size > 1:
+            return self._project_out(self._replay_context_parallel(x, state))
+        latents = self._latent_rows(x, state.positions)
+        key_positions = state.positions
+        if state.prefix_len > 0:
+            latents = torch.cat([self.read_page(state, LATENT, x.device, latents.dtype), latents])
+            key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
+                                       state.positions])
+        return self._project_out(self._attend(x, state.positions, latents, key_positions, state))
+
+    def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
+        """No autograd (capture, or a full forward under no_grad): token blocks in order; a block's
+        queries attend over the latent rows written so far (a preallocated buffer). Capture appends
+        each block's rows to the pages. -> (output [s, 1, hidden], None)"""
+        num_tokens = x.shape[0]
+        latents = None
+        outputs = []
+        for start in range(0, num_tokens, state.token_block):
+            end = min(start + state.token_block, num_tokens)
+            positions = state.positions[start:end]
+            rows = self._latent_rows(x[start:end], positions)
+            if write_pages:
+                self.write_rows(state, LATENT, rows)
+            if latents is None:
+                latents = rows.new_empty((num_tokens, rows.shape[1]))
+            latents[start:end] = rows
+            out = self._attend(x[start:end], positions, latents[:end], state.positions[:end], state)
+            outputs.append(self._project_out(out)[0])
+        return torch.cat(outputs), None
+
+    def _capture_context_parallel(self, x: torch.Tensor, state: AttentionPass):
+        """Capture of this rank's load-balanced prompt shard: its latent rows become its pages;
+        its queries attend every rank's shard in turn (`context_parallel.ring_attention`).
+        Queries are recomputed per query block for each shard (a few % of the attention's work)
+        instead of holding [n, heads, d_qk] of them. -> (output [n, 1, hidden], None)"""
+        block = state.token_block
+        latents = torch.cat([self._latent_rows(x[s:s + block], state.positions[s:s + block])
+                             for s in range(0, x.shape[0], block)])
+        self.write_rows(state, LATENT, latents)
+        out, _ = context_parallel.ring_attention(
+            state, latents, latents, lambda src_rows, _, src_pos: self._attend(
+                x, state.positions, src_rows, src_pos, state, return_lse=True))
+        return torch.cat([self._project_out(out[s:s + block])[0]
+                          for s in range(0, x.shape[0], block)]), None
+
+    def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+        """A branch pass with the prompt pages sharded over CP: all branch queries attend over
+        this rank's latent shard plus the branch's own rows (visible on rank 0 only), merged by
+        log-sum-exp to the row owners. -> [c, heads, v_head_dim]"""
+        own_latents = self._latent_rows(x, state.positions)
+        _, query = self._queries(x, state.positions)
+
+        def attend(all_query, all_latents):
+            keys = torch.cat([self.read_page(state, LATENT, x.device, own_latents.dtype),
+                              all_latents])
+            key_positions = torch.cat([state.cp.prefix_positions,
+                                       context_parallel.branch_key_positions(state)])
+            return self._dense(all_query, state.cp.branch_positions, keys, key_positions, state)
+
+        merged = context_parallel.attend_branch(state, (query, own_latents), attend)
+        return self._up_project_values(merged)
+
+    # ---- pieces -----------------------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """Plain RoPE (`AbsorbedMLA._rope`), or YaRN's frequencies and cos/sin factor."""
+        cfg = self.config
+        if not self.yarn:
+            return super()._rope(x, positions, interleaved)
+        inv_freq = refs.yarn_inv_freq(x.shape[-1], cfg.rotary_base, cfg.rotary_scaling_factor,
+                                      cfg.original_max_position_embeddings, cfg.beta_fast,
+                                      cfg.beta_slow, device=x.device)
+        factor = refs.yarn_attention_factor(cfg.rotary_scaling_factor, cfg.mscale,
+                                            cfg.mscale_all_dim)
+        return select.kernels().apply_rope(x, positions, cfg.rotary_base, interleaved,
+                                           inv_freq=inv_freq, attention_factor=factor)
+
+    def _attend(self, x, positions, latents, key_positions, state, return_lse=False):
+        """The current tokens' queries, computed per query block, over latent rows all held here
+        (latents [t, d_qk], global key positions [t]). -> [s, heads, v_head_dim] (and lse
+        [s, heads] with `return_lse`)."""
+        outs, lses = [], []
+        for start in range(0, x.shape[0], state.query_block):
+            end = min(start + state.query_block, x.shape[0])
+            _, query = self._queries(x[start:end], positions[start:end])
+            out, lse = self._dense(query, positions[start:end], latents, key_positions, state)
+            outs.append(self._up_project_values(out))
+            lses.append(lse)
+        out = torch.cat(outs)
+        return (out, torch.cat(lses)) if return_lse else out
+
+    def _dense(self, query, query_positions, latents, key_positions, state):
+        """Absorbed queries [s, heads, d_qk] over latent rows [t, d_qk] as MQA (one K/V group:
+        keys the whole rows, values their c_kv part), per query block. -> (out_latent [s, heads,
+        kv_lora_rank], lse [s, heads])."""
+        keys = latents[:, None, :]
+        values = latents[:, None, :self.config.kv_lora_rank]
+        parts = [select.kernels().blockwise_attention(
+                     query[start:start + state.query_block], keys, values,
+                     query_positions[start:start + state.query_block], key_positions,
+                     self.softmax_scale, state.key_block)
+                 for start in range(0, query.shape[0], state.query_block)]
+        out, lse = (torch.cat(p) for p in zip(*parts))
+        return out, lse
