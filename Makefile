@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 test bench refresh-pins clean
+.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 test bench refresh-pins clean
 
 # Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
 # what the last green run had. `make refresh-pins` moves the pins forward.
@@ -20,11 +20,11 @@ $(VENV)/.installed: setup.py $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	touch $@
 
-# make demo [MODEL=glm52|qwen36] [NPROC=4] [PROMPT_LEN=32768]
+# make demo [MODEL=glm52|qwen36|deepseekv3] [NPROC=4] [PROMPT_LEN=32768]
 MODEL ?= glm52
 NPROC ?= 4
 PROMPT_LEN ?= 32768
-MODELS := glm52 qwen36
+MODELS := glm52 qwen36 deepseekv3
 ifeq ($(filter $(MODEL),$(MODELS)),)
 $(error MODEL=$(MODEL): choose one of $(MODELS))
 endif
@@ -40,6 +40,12 @@ demo: demo-$(MODEL)
 demo-glm52: $(VENV)/.installed
 	$(LAUNCH) --longstraw-config examples/glm52/tiny.yaml --expert-model-parallel-size $(NPROC) \
 		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-run-name demo
+
+# Tiny DeepSeek-V3 (MLA with dense attention over the latents + group-limited MoE, YaRN), CP = EP = NPROC.
+demo-deepseekv3: $(VENV)/.installed
+	$(LAUNCH) --longstraw-family deepseekv3 --longstraw-config examples/deepseekv3/tiny.yaml \
+		--expert-model-parallel-size $(NPROC) --longstraw-synthetic-prompt-len $(PROMPT_LEN) \
+		--longstraw-run-name demo-deepseekv3
 
 # Tiny Qwen3.6 (Gated DeltaNet + gated attention, dense FFN), CP = NPROC, EP = 1: one step at
 # PROMPT_LEN / 2 and one at PROMPT_LEN, then their receipts side by side: the GDN state and conv
