@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 
 from megatron_longstraw.adapters import LoRAConfig
 from megatron_longstraw.config import ADAPTER_KEYS, LongStrawConfig
+from megatron_longstraw.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.families import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
 
@@ -43,6 +45,13 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="PPO clip above 1 (ratio <= 1 + eps).")
     group.add_argument("--longstraw-kl-coef", type=float, default=None,
                        help="k3 KL coefficient to the reference policy (0 disables it).")
+    group.add_argument("--longstraw-adv-eps", type=float, default=None,
+                       help="Added to the group's reward std in the advantage denominator, "
+                            "A_i = (r_i - mean(r)) / (std(r) + eps) (> 0; default 1e-6).")
+    group.add_argument("--longstraw-std-unbiased", action=argparse.BooleanOptionalAction,
+                       default=None, help="Advantages divide by the sample std of the group's "
+                                          "rewards (G - 1) instead of the population std (G; the "
+                                          "default).")
     group.add_argument("--longstraw-seed", type=int, default=None,
                        help="Seed for initialisation and synthetic data (defaults to --seed).")
     return parser
@@ -127,12 +136,71 @@ def add_longstraw_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+class LauncherParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, bad value, missing value) raise a one-line `FlagError`
+    (errors.py: reported once by rank 0, exit code 2) instead of printing the usage text on every
+    rank: Megatron's usage line alone lists several hundred flags."""
+
+    def error(self, message):
+        raise FlagError(f"{message} ({self.prog} --help lists the flags).")
+
+
+def build_parser(description: str = "Megatron-LM arguments + LongStraw") -> argparse.ArgumentParser:
+    """Megatron's parser (as `megatron.training.arguments.parse_args` builds it) + ours, with
+    Megatron's help strings made printable (`escape_help_percents`)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = LauncherParser(description=description, allow_abbrev=False)
+    parser = add_longstraw_args(add_megatron_arguments(parser))
+    escape_help_percents(parser)
+    return parser
+
+
+# ---- Megatron adaptation: printable help strings ------------------------------------------------
+# Covers: megatron.training.arguments.add_megatron_arguments (megatron-core 0.19.2). Its
+# ArgumentGroupFactory copies TransformerConfig field docstrings into help strings verbatim, and the
+# docstring of `moe_paged_stash_buffer_size_factor_cuda` ends "(e.g. 1.10 = 10%)": argparse's help
+# formatter reads every help string as a %-format, so `--help` raised "ValueError: unsupported
+# format character ')'" before printing anything.
+# Why: `examples/pretrain_gpt.py --help` must list the flags (ours included).
+# Unchanged results: only the help text of actions whose help does not format is touched (a bare %
+# becomes %%, which prints as %); option names, types, defaults and destinations stay as Megatron
+# defines them, so every command line parses to the same arguments. Megatron itself is not patched.
+_PERCENT_TOKEN = re.compile(r"%%|%\([^)]*\)[#0 +-]*\d*(?:\.\d+)?[diouxXeEfFgGcrsa]|%")
+
+
+def escape_help_percents(parser: argparse.ArgumentParser) -> list[str]:
+    """Escape the bare % of every help string argparse cannot format (see above); returns the
+    options changed."""
+    formatter = parser._get_formatter()
+    changed = []
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            formatter._expand_help(action)
+            continue
+        except (ValueError, TypeError, KeyError):
+            pass
+        original = action.help
+        action.help = _PERCENT_TOKEN.sub(lambda m: "%%" if m.group(0) == "%" else m.group(0),
+                                         original)
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):   # e.g. %(unknown)s: print it literally
+            action.help = original.replace("%", "%%")
+        changed.append(action.option_strings[0] if action.option_strings else action.dest)
+    return changed
+
+
 _FLAG_TO_FIELD = {
     "longstraw_group_size": "group_size",
     "longstraw_max_response_len": "max_response_len",
     "longstraw_clip_eps_low": "clip_eps_low",
     "longstraw_clip_eps_high": "clip_eps_high",
     "longstraw_kl_coef": "kl_coef",
+    "longstraw_adv_eps": "adv_eps",
+    "longstraw_std_unbiased": "std_unbiased",
     "longstraw_offload_pages": "offload_pages",
     "longstraw_page_tokens": "page_tokens",
     "longstraw_checkpoint_layers": "checkpoint_layers",
@@ -149,11 +217,28 @@ def load_yaml(path: str | None) -> dict:
         return {}
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--longstraw-config {path}: no such file.")
-    data = yaml.safe_load(p.read_text()) or {}
+        raise InputNotFound(f"--longstraw-config {path}: no such file.")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and start is not mark:
+            problem += f"; {context} from line {start.line + 1} column {start.column + 1}"
+        raise ConfigError(f"--longstraw-config {path}{where}: not valid YAML ({problem}).") \
+            from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--longstraw-config {path}: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start}).") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--longstraw-config {path}: expected a mapping with `model:` and "
-                         "`longstraw:` sections.")
+        raise ConfigError(f"--longstraw-config {path}: expected a mapping with `model:` and "
+                          "`longstraw:` sections.")
+    for section in ("model", "longstraw"):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ConfigError(f"--longstraw-config {path}: `{section}:` must be a mapping of "
+                              f"settings, got {type(data[section]).__name__}.")
     return data
 
 

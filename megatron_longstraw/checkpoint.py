@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_longstraw.errors import CheckpointError
 from megatron_longstraw.model_format import (
     FORMAT_VERSION, MODEL_WEIGHTS, SafetensorsReader, check_model_config, count_experts,
     describe_layout, expert_ranks, fsync_dir, global_rank, is_distributed, local_tensors,
@@ -285,19 +286,20 @@ def check_lora_resume(path: str | os.PathLike, saved: dict | None, requested: di
     if saved is None and requested is None:
         return
     if saved is None:
-        raise ValueError(f"{path} is a full-parameter checkpoint; a LoRA run cannot resume it. "
-                         "Resume without the LoRA flags, or start a new LoRA run (another --save "
-                         "folder) from its weights in model format (--pretrained-checkpoint DIR, "
-                         "written by model_format.save_model).")
+        raise CheckpointError(
+            f"{path} is a full-parameter checkpoint; a LoRA run cannot resume it. Resume without "
+            "the LoRA flags, or start a new LoRA run (another --save folder) from its weights in "
+            "model format (--pretrained-checkpoint DIR, written by model_format.save_model).")
     if requested is None:
-        raise ValueError(f"{path} holds LoRA adapters, not a full model (its frozen base is not "
-                         f"saved); resume it with the same adapters: {lora_flags(saved)}.")
+        raise CheckpointError(f"{path} holds LoRA adapters, not a full model (its frozen base is "
+                              f"not saved); resume it with the same adapters: "
+                              f"{lora_flags(saved)}.")
     diff = [f"{key} {saved.get(key)!r} (this run: {requested.get(key)!r})"
             for key in _LORA_RESUME_KEYS if saved.get(key) != requested.get(key)]
     if diff:
-        raise ValueError(f"{path} was trained with other LoRA settings: {', '.join(diff)}. Resume "
-                         f"with the checkpoint's settings ({lora_flags(saved)}), or start a new "
-                         "run with another --save folder.")
+        raise CheckpointError(f"{path} was trained with other LoRA settings: {', '.join(diff)}. "
+                              f"Resume with the checkpoint's settings ({lora_flags(saved)}), or "
+                              "start a new run with another --save folder.")
 
 
 def _describe_base(base: dict) -> str:
@@ -317,7 +319,7 @@ def check_lora_base(path: str | os.PathLike, saved_base: dict, fingerprint: str,
         saved = saved_base.get("fingerprints") or []
         rank = global_rank()
         if rank >= len(saved) or saved[rank] != fingerprint:
-            raise ValueError(
+            raise CheckpointError(
                 f"the frozen base model differs from the one the adapters in {path} were trained "
                 f"on: they were trained on {_describe_base(saved_base)}, this run's base is "
                 f"{_describe_base(current)} (weights fingerprint {fingerprint} on rank {rank}, "
@@ -345,7 +347,7 @@ def _load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict | None]:
     saved, current = meta["parallel"], parallel_layout()
     if saved != current:
         with_dp = saved["data_parallel_size"] != 1 or current["data_parallel_size"] != 1
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint was saved with {describe_layout(saved, with_dp)}, this run has "
             f"{describe_layout(current, with_dp)}; {path} stores optimizer state and expert shards "
             "per rank, so resume with the same context- and expert-parallel sizes (and world size "
@@ -363,23 +365,25 @@ def _load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict | None]:
     own = {global_name(n, num_experts): t for n, t in local_tensors(model, trainable_only=True).items()}
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:
-        raise KeyError(f"{path} does not match the model's trainable tensors: missing "
-                       f"{len(missing)} {missing[:5]}, unexpected {len(unexpected)} "
-                       f"{unexpected[:5]} (were different parameters frozen when it was saved?).")
+        raise CheckpointError(f"{path} does not match the model's trainable tensors: missing "
+                              f"{len(missing)} {missing[:5]}, unexpected {len(unexpected)} "
+                              f"{unexpected[:5]} (were different parameters frozen when it was "
+                              "saved?).")
     bad = [f"{n}: saved {tensors.shape(n)}, model {tuple(t.shape)}" for n, t in own.items()
            if tensors.shape(n) != tuple(t.shape)]
     if bad:
-        raise ValueError(f"{path}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
+        raise CheckpointError(f"{path}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
     state = torch.load(path / _rank_file(global_rank()), map_location="cpu", weights_only=True)
     if optimizer is not None:
         if "optimizer" not in state:
-            raise ValueError(f"{path} was saved without optimizer state.")
+            raise CheckpointError(f"{path} was saved without optimizer state.")
         names = _optimizer_param_names(model, optimizer)
         if names != state["optimizer_params"]:
-            raise ValueError(f"{path}: the optimizer's parameters differ from the saved ones "
-                             f"({len(names)} vs {len(state['optimizer_params'])} tensors, first "
-                             "difference at " + next((f"{a} vs {b}" for a, b in zip(
-                                 names, state["optimizer_params"]) if a != b), "the end") + ").")
+            raise CheckpointError(
+                f"{path}: the optimizer's parameters differ from the saved ones ({len(names)} vs "
+                f"{len(state['optimizer_params'])} tensors, first difference at "
+                + next((f"{a} vs {b}" for a, b in zip(names, state["optimizer_params"])
+                        if a != b), "the end") + ").")
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(tensors[name])

@@ -24,6 +24,11 @@ class LongStrawConfig:
     """PPO clip: ratios above 1 + clip_eps_high are clipped."""
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to the reference policy (0 disables reference scoring)."""
+    adv_eps: float = 1e-6
+    """Added to the group's reward std in the advantage denominator, A_i = (r_i - mean) / (std +
+    adv_eps) (> 0)."""
+    std_unbiased: bool = False
+    """Advantage std: False = population std (divide by G), True = sample std (divide by G - 1)."""
     page_tokens: int = 65536
     """Rows per page of captured state."""
     offload_pages: bool = True
@@ -43,17 +48,33 @@ class LongStrawConfig:
     """Random seed (initialisation and synthetic data)."""
 
     def __post_init__(self) -> None:
+        for name in ("group_size", "max_response_len", "page_tokens", "token_block", "query_block",
+                     "key_block", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
+        for name in ("offload_pages", "checkpoint_layers", "std_unbiased"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"longstraw {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}.")
         if self.group_size < 2:
             raise ValueError(f"longstraw group_size must be >= 2 (GRPO needs a group), got "
                              f"{self.group_size}.")
         for name in ("max_response_len", "page_tokens", "token_block", "query_block", "key_block"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"longstraw {name} must be positive, got {getattr(self, name)}.")
-        self.loss_config()  # validates the clip and KL settings
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "adv_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
+                        if isinstance(value, str) else "")
+                raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        self.loss_config()  # validates the clip, KL and advantage settings
 
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
-                              kl_coef=self.kl_coef)
+                              kl_coef=self.kl_coef, adv_eps=self.adv_eps,
+                              std_unbiased=self.std_unbiased)
 
     @classmethod
     def from_dict(cls, values: dict) -> "LongStrawConfig":

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_longstraw.errors import InputNotFound, UserError
 from megatron_longstraw.grpo import GRPOGroup
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file")
@@ -32,8 +33,9 @@ LOGPROB_SLACK = 1e-4
 """Largest positive value accepted as a log-probability (engines round; a log-prob is <= 0)."""
 
 
-class DataError(ValueError):
-    """Invalid input data: `path`, `line` (1-based, or None for the file) and `field` name where."""
+class DataError(UserError, ValueError):
+    """Invalid input data: `path`, `line` (1-based, or None for the file) and `field` name where
+    (a user error: errors.py)."""
 
     def __init__(self, path, line: int | None, field: str | None, message: str):
         self.path, self.line, self.field = str(path), line, field
@@ -51,6 +53,8 @@ class GroupRecord:
     """The line's "id", or its line number when it has none."""
     line: int
     """1-based line number in the file."""
+    response_field: str = "response_ids"
+    """The line's field that holds the responses ("responses" for text)."""
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
     `tokenizer.json` is read with `tokenizers`). Never downloads."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist; pass a local "
+        raise InputNotFound(f"tokenizer path {str(path)!r} does not exist; pass a local "
                                 "tokenizer.json or a directory saved by save_pretrained "
                                 "(nothing is downloaded).")
     if path.is_file():
@@ -131,8 +135,14 @@ def read_records(path: str | os.PathLike, tokenizer=None, vocab_size: int | None
         raise DataError(path, None, None, "no such file; pass the path of a JSONL file with one "
                                           "GRPO group per line.")
     tokenizer = _as_tokenizer(tokenizer)
-    with path.open(encoding="utf-8") as lines:
-        for line_no, text in enumerate(lines, start=1):
+    with path.open("rb") as lines:   # bytes: a line that is not UTF-8 is reported with its number
+        for line_no, raw in enumerate(lines, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(path, line_no, None, f"not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                                f"at column {exc.start + 1}: {exc.reason}); was the file cut off "
+                                "or written in another encoding?") from None
             if text.strip():
                 yield _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards)
 
@@ -144,8 +154,14 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards) -> 
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        fail(None, f"not valid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                   "JSON object describing a group.")
+        ends_early = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
+        truncated = " (the line ends early: was the file cut off?)" if ends_early else ""
+        at = "" if exc.msg.endswith(" at") else " at"   # "Unterminated string starting at"
+        fail(None, f"not valid JSON ({exc.msg}{at} column {exc.colno}){truncated}; each line must "
+                   "be one JSON object describing a group.")
+    except (ValueError, RecursionError) as exc:   # e.g. an integer of more than 4300 digits
+        fail(None, f"not valid JSON ({type(exc).__name__}: {exc}); each line must be one JSON "
+                   "object describing a group.")
     if not isinstance(obj, dict):
         fail(None, f"a JSON {type(obj).__name__}, not an object; each line must be one JSON "
                    "object describing a group.")
@@ -164,7 +180,7 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards) -> 
     logps_old = _logprobs_old(obj, fail, responses, response_field)
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
                       logps_old=logps_old)
-    return GroupRecord(group=group, id=group_id, line=line_no)
+    return GroupRecord(group=group, id=group_id, line=line_no, response_field=response_field)
 
 
 def _one_of(obj, fields, fail, what) -> str:

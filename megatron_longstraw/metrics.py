@@ -1,11 +1,47 @@
-"""Step logging: TensorBoard scalars, one summary line per step, a capture progress bar (rank 0)."""
+"""Step logging: TensorBoard scalars, one summary line per step, a capture progress bar (rank 0),
+and the launcher's logging rule (`configure_logging`)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
 
 from megatron_longstraw.receipts import human_bytes
+
+
+class _RankFormatter(logging.Formatter):
+    """Megatron's record format; warnings and errors carry the rank that logged them."""
+
+    def __init__(self, rank: int, base: logging.Formatter | None):
+        super().__init__(logging.BASIC_FORMAT)
+        self.rank, self.base = rank, base
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = (self.base or super()).format(record)
+        return f"[rank {self.rank}] {text}" if record.levelno >= logging.WARNING else text
+
+
+def configure_logging(rank: int | None = None, world_size: int | None = None) -> None:
+    """The launcher's rule (examples/pretrain_gpt.py, tools/score.py): informational output comes
+    from rank 0 only (e.g. the kernel selection, kernels/select.py, logged once, not once per
+    rank); every rank logs its own warnings and errors, tagged `[rank N]` when there are several.
+    Applies to the root logger, which Megatron configures when megatron.training is imported
+    (INFO to stdout on every rank), so call it after that (after parsing the flags); without a
+    handler (nothing configured logging) only warnings print, as before. Rank and
+    world size default to torchrun's RANK / WORLD_SIZE (no process group is needed)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if world_size > 1:
+        for handler in root.handlers:
+            current = handler.formatter
+            if isinstance(current, _RankFormatter):
+                current.rank = rank
+            else:
+                handler.setFormatter(_RankFormatter(rank, current))
 
 
 class ProgressBar:

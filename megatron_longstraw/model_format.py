@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_longstraw.errors import CheckpointError, InputNotFound, PeerFailure
 from megatron_longstraw.finalize import is_expert_param
 from megatron_longstraw.parallel import global_name, load_full_state_dict
 
@@ -175,7 +176,7 @@ def agree(error: BaseException | None, what: str) -> None:
         raise error
     for rank, message in enumerate(messages):
         if message:
-            raise RuntimeError(f"{what} failed on rank {rank}: {message}")
+            raise PeerFailure(f"{what} failed on rank {rank}: {message}")
 
 
 def together(what: str, fn, *args) -> Any:
@@ -308,13 +309,23 @@ def read_model(model_dir: str | os.PathLike) -> tuple[dict, SafetensorsReader]:
 
 def read_meta(path: Path, kind: str) -> dict:
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: {path.parent} is not a {kind} directory.")
-    meta = json.loads(path.read_text())
-    if meta.get("format") != kind:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {kind!r}.")
+        raise InputNotFound(f"{path} not found: {path.parent} is not a {kind} directory.")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg} at column "
+                              f"{exc.colno}); the file is damaged (an interrupted copy?): copy or "
+                              "write the directory again.") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not readable as JSON ({exc}); the file is damaged: copy "
+                              "or write the directory again.") from None
+    if not isinstance(meta, dict) or meta.get("format") != kind:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {kind!r}.")
     if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {meta['format_version']} is newer than this "
-                         f"megatron_longstraw reads ({FORMAT_VERSION}); upgrade the package.")
+        raise CheckpointError(f"{path}: format version {meta['format_version']} is newer than "
+                              f"this megatron_longstraw reads ({FORMAT_VERSION}); upgrade the "
+                              "package.")
     return meta
 
 
@@ -325,9 +336,11 @@ def check_model_config(meta: dict, model, where: Path) -> None:
     ours = cfg.to_dict()
     diff = {k: (meta["model"].get(k), v) for k, v in ours.items() if meta["model"].get(k) != v}
     if diff:
-        raise ValueError(f"{where} holds a different model than the one built: "
-                         + ", ".join(f"{k} (saved {a!r}, model {b!r})" for k, (a, b) in diff.items())
-                         + ".")
+        raise CheckpointError(
+            f"{where} holds a different model than the one built: "
+            + ", ".join(f"{k} (saved {a!r}, model {b!r})" for k, (a, b) in diff.items())
+            + "; build the model with the saved values (the `model:` section of the config, or "
+              "Megatron's model flags) or pass the directory of this model.")
 
 
 def save_model(out_dir: str | os.PathLike, model: torch.nn.Module, family: str = "glm52",
@@ -350,19 +363,20 @@ def load_model(model_dir: str | os.PathLike, model: torch.nn.Module, family: str
     longstraw.json. Values are cast to each model tensor's dtype."""
     meta, tensors = read_model(model_dir)
     if meta.get("family") != family:
-        raise ValueError(f"{model_dir} holds a {meta.get('family')!r} model, not {family!r}.")
-    check_model_config(meta, model, Path(model_dir))
+        raise CheckpointError(f"{model_dir} holds a {meta.get('family')!r} model, not "
+                              f"{family!r}.")
+    check_model_config(meta, model, Path(model_dir) / MODEL_META)
     if parallel_layout()["expert_parallel_size"] == 1:
         unexpected = sorted(set(tensors) - set(local_tensors(model)))
         if unexpected:
-            raise KeyError(f"{model_dir} has {len(unexpected)} tensors the model lacks, e.g. "
-                           f"{unexpected[:3]}.")
+            raise CheckpointError(f"{model_dir} has {len(unexpected)} tensors the model lacks, "
+                                  f"e.g. {unexpected[:3]}.")
     num_experts = count_experts(model)
     # load_full_state_dict copies with broadcasting: check shapes first (headers only).
     bad = [f"{n}: saved {tensors.shape(g)}, model {tuple(t.shape)}"
            for n, t in local_tensors(model).items()
            if (g := global_name(n, num_experts)) in tensors and tensors.shape(g) != tuple(t.shape)]
     if bad:
-        raise ValueError(f"{model_dir}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
+        raise CheckpointError(f"{model_dir}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
     load_full_state_dict(unwrap(model), tensors, num_experts)
     return meta

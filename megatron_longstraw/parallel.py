@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longstraw import platform
+from megatron_longstraw.errors import ConfigError, PeerFailure
 from megatron_longstraw.kernels.refs import lse_merge_weights
 
 
@@ -37,9 +38,10 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     world = dist.get_world_size()
     if world % context_parallel_size or world % expert_parallel_size:
-        raise ValueError(f"world size {world} must be divisible by the context-parallel size "
-                         f"({context_parallel_size}) and the expert-parallel size "
-                         f"({expert_parallel_size}).")
+        raise ConfigError(f"world size {world} must be divisible by the context-parallel size "
+                          f"(--context-parallel-size {context_parallel_size}) and the "
+                          f"expert-parallel size (--expert-model-parallel-size "
+                          f"{expert_parallel_size}).")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -49,6 +51,26 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
         expert_model_parallel_size=expert_parallel_size,
     )
     platform.manual_seed(seed)
+
+
+SUPPORTED_LAYOUT = (
+    "LongStraw runs tensor- and pipeline-parallel size 1: it splits a long prompt with context "
+    "parallelism (--context-parallel-size), shards experts with expert parallelism folded on the "
+    "same ranks (--expert-model-parallel-size dividing the world size, at most the family's "
+    "expert limit), and gives the remaining ranks to data parallelism (world size / CP replicas)")
+
+
+def check_model_parallel_sizes(tensor_parallel_size: int | None = 1,
+                               pipeline_parallel_size: int | None = 1,
+                               expert_tensor_parallel_size: int | None = None) -> None:
+    """Refuse, before any process group starts, the Megatron parallel sizes LongStraw does not
+    run (`initialize` builds TP = PP = 1; extra ranks would silently become data-parallel)."""
+    for flag, size in (("--tensor-model-parallel-size", tensor_parallel_size),
+                       ("--pipeline-model-parallel-size", pipeline_parallel_size),
+                       ("--expert-tensor-parallel-size", expert_tensor_parallel_size)):
+        if size is not None and size > 1:
+            raise ConfigError(f"{flag} {size} is not supported. {SUPPORTED_LAYOUT}. Set {flag} 1 "
+                              "and give those ranks to --context-parallel-size.")
 
 
 def _free_port() -> int:
@@ -415,7 +437,7 @@ class fail_together:
             if store.check([_ERROR_KEY]):
                 first = store.get(_ERROR_KEY).decode()
                 if not first.startswith(f"rank {dist.get_rank()}:"):
-                    raise RuntimeError(f"LongStraw step aborted because {first}") from exc
+                    raise PeerFailure(f"LongStraw step aborted because {first}") from exc
             else:
                 store.set(_ERROR_KEY, message)
         except RuntimeError as chained:

@@ -144,9 +144,10 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
                  if ref_captured is not None else None)
     timings["scoring"] = time.perf_counter() - start
 
-    advantages = group_advantages(group.rewards.to(torch.float64))
-    num_members = len(group.response_ids)
     loss_cfg = cfg.loss_config()
+    advantages = group_advantages(group.rewards.to(torch.float64), eps=loss_cfg.adv_eps,
+                                  std_unbiased=loss_cfg.std_unbiased)
+    num_members = len(group.response_ids)
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
     for i, response in enumerate(group.response_ids):

@@ -35,26 +35,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_longstraw import arguments, errors
 from megatron_longstraw.arguments import (
     LoRASettings,
-    add_longstraw_args,
     explicit_flags,
     longstraw_config_from_args,
     lora_settings_from_args,
     model_config_values,
 )
+from megatron_longstraw.errors import CheckpointError, ConfigError, FlagError
 from megatron_longstraw.families import check_parallel_sizes, get_family
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Megatron's parser (as `megatron.training.arguments.parse_args` builds it) + ours."""
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = argparse.ArgumentParser(description="Megatron-LM arguments + LongStraw",
-                                     allow_abbrev=False)
-    return add_longstraw_args(add_megatron_arguments(parser))
+    """Megatron's parser (as `megatron.training.arguments.parse_args` builds it) + ours
+    (arguments.build_parser: printable help, one-line flag errors)."""
+    return arguments.build_parser()
 
 
 def parse(argv: list[str] | None = None):
@@ -67,16 +65,21 @@ def parse(argv: list[str] | None = None):
 
 def resolve(args, given: set[str]):
     """(family, model config, LongStrawConfig, dtype) from YAML + flags, validated."""
+    from megatron_longstraw import parallel
+
     if not args.longstraw:
-        raise SystemExit("This launcher runs the LongStraw GRPO schedule: pass --longstraw (for "
-                         "standard Megatron pre-training use Megatron-LM's pretrain_gpt.py).")
+        raise FlagError("This launcher runs the LongStraw GRPO schedule: pass --longstraw (for "
+                        "standard Megatron pre-training use Megatron-LM's pretrain_gpt.py).")
+    parallel.check_model_parallel_sizes(args.tensor_model_parallel_size,
+                                        args.pipeline_model_parallel_size,
+                                        args.expert_tensor_parallel_size)
     family = get_family(args.longstraw_family)
     check_parallel_sizes(family, args.expert_model_parallel_size)
     ls = longstraw_config_from_args(args)
     values = model_config_values(args, given, family.from_megatron)
     if not values:
-        raise SystemExit(f"No model configuration: pass --longstraw-config {family.tiny_config} "
-                         "(or full.yaml beside it) and/or Megatron's model flags.")
+        raise FlagError(f"No model configuration: pass --longstraw-config {family.tiny_config} "
+                        "(or full.yaml beside it) and/or Megatron's model flags.")
     model_cfg = family.config_class.from_dict(values)
     dtype_name = args.longstraw_dtype or ("bf16" if args.bf16 else "fp32")
     return family.name, model_cfg, ls, DTYPES[dtype_name]
@@ -149,14 +152,15 @@ def _starting_points(args) -> tuple[str | None, Path | None]:
 
     init, resume = args.pretrained_checkpoint, None
     if init is not None and not model_format.is_model_format(init):
-        raise ValueError(f"--pretrained-checkpoint {init}: not a model-format directory (no "
-                         f"{model_format.MODEL_META}); pass a tools/convert_hf.py output.")
+        raise ConfigError(f"--pretrained-checkpoint {init}: not a model-format directory (no "
+                          f"{model_format.MODEL_META}); pass a tools/convert_hf.py output.")
     if args.load:
         if model_format.is_model_format(args.load):
             if init is not None and Path(init).resolve() != Path(args.load).resolve():
-                raise ValueError(f"--load {args.load} and --pretrained-checkpoint {init} are both "
-                                 "model-format directories of initial weights; pass one (with "
-                                 "--pretrained-checkpoint, --load names the run's checkpoints).")
+                raise ConfigError(f"--load {args.load} and --pretrained-checkpoint {init} are "
+                                  "both model-format directories of initial weights; pass one "
+                                  "(with --pretrained-checkpoint, --load names the run's "
+                                  "checkpoints).")
             init = args.load
         else:
             resume = checkpoint.latest_checkpoint(args.load)
@@ -174,21 +178,22 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     init, resume = _starting_points(args)
     saved = checkpoint.read_checkpoint_meta(resume) if resume is not None else None
     if saved is not None and saved.get("family", family) != family:
-        raise ValueError(f"{resume} holds a {saved['family']!r} run, not --longstraw-family "
-                         f"{family}.")
+        raise CheckpointError(f"{resume} holds a {saved['family']!r} run, not --longstraw-family "
+                              f"{family}.")
     model = get_family(family).build(model_cfg, dtype, expert_parallel_size)
     if lora is not None:
-        lora = dataclasses.replace(lora, config=adapters.resolve_targets(
-            model, lora.config, strict=lora.targets_given))
+        with errors.configuration():   # --longstraw-lora-targets against the model's layers
+            lora = dataclasses.replace(lora, config=adapters.resolve_targets(
+                model, lora.config, strict=lora.targets_given))
     if saved is not None:
         checkpoint.check_lora_resume(resume, saved.get("lora"),
                                      lora.record() if lora is not None else None)
         if lora is not None and init is None:   # the base the adapters were trained on
             init = saved["lora"]["base"].get("source")
             if init is not None and not model_format.is_model_format(init):
-                raise ValueError(f"{resume} trained adapters on the base model in {init}, which "
-                                 "is no longer a model-format directory; pass the same weights "
-                                 "with --pretrained-checkpoint DIR.")
+                raise CheckpointError(f"{resume} trained adapters on the base model in {init}, "
+                                      "which is no longer a model-format directory; pass the same "
+                                      "weights with --pretrained-checkpoint DIR.")
     messages = []
     # A resumed full-parameter run takes every weight from its checkpoint; a LoRA run needs its
     # base first (the checkpoint holds only the adapters).
@@ -220,16 +225,45 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     return Setup(model, optimizer, ref_model, first_step, lora, meta, messages)
 
 
-def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int):
-    """This data-parallel replica's GRPO groups, cycling (same on every rank of its CP group)."""
-    if args.longstraw_data:
-        from megatron_longstraw.data import load_tokenizer, read_groups
+def read_data(args, model_cfg, ls) -> list | None:
+    """The GRPO groups of --longstraw-data (None: synthetic data), read and checked against the
+    model and the step settings before any process group starts, so a bad line is reported at
+    once with its file, line and field (data.DataError)."""
+    if not args.longstraw_data:
+        return None
+    from megatron_longstraw.data import DataError, load_tokenizer, read_records
 
-        tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
-        groups = list(read_groups(args.longstraw_data, tokenizer=tokenizer,
-                                  vocab_size=model_cfg.vocab_size))
-        if not groups:
-            raise SystemExit(f"--longstraw-data {args.longstraw_data}: no groups.")
+    tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
+    path = args.longstraw_data
+    groups = []
+    for record in read_records(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size):
+        group = record.group
+        field = record.response_field
+        if len(group.response_ids) != ls.group_size:
+            raise DataError(path, record.line, field,
+                            f"has {len(group.response_ids)} responses but the group size is "
+                            f"{ls.group_size} (--longstraw-group-size, YAML longstraw.group_size);"
+                            " give every member of the group or change the group size.")
+        for i, response in enumerate(group.response_ids):
+            if response.numel() > ls.max_response_len:
+                raise DataError(path, record.line, field,
+                                f"item {i} has {response.numel()} tokens, more than "
+                                f"--longstraw-max-response-len {ls.max_response_len} (YAML "
+                                "longstraw.max_response_len); raise the limit or drop the "
+                                "member.")
+        groups.append(group)
+    if not groups:
+        raise DataError(path, None, None, "holds no groups (every line is blank); give one JSON "
+                                          "object per line.")
+    return groups
+
+
+def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int, groups: list | None = None):
+    """This data-parallel replica's GRPO groups, cycling (same on every rank of its CP group):
+    `groups` (read_data's), else synthetic ones."""
+    if groups is None and args.longstraw_data:
+        groups = read_data(args, model_cfg, ls)
+    if groups is not None:
         mine = groups[dp_rank::dp_size] or groups
         return itertools.cycle(mine)
     from megatron_longstraw.data import synthetic_group
@@ -241,20 +275,31 @@ def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int):
             for step in itertools.count())
 
 
+def cli(argv: list[str] | None = None) -> dict:
+    """`examples/pretrain_gpt.py`: `main`, with user errors (errors.py: bad flags, configs, data,
+    missing inputs, checkpoints that do not fit) reported as one line by rank 0, exit code 2."""
+    return errors.run_entry(main, argv)
+
+
 def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     start = time.perf_counter()
-    args, given = parse(argv)
-    family, model_cfg, ls, dtype = resolve(args, given)
-    lora, ls = resolve_lora(args, family, ls)
-    check_outputs(args, lora)
+    with errors.configuration():   # flags, YAML and model config: every ValueError is the user's
+        args, given = parse(argv)
+        family, model_cfg, ls, dtype = resolve(args, given)
+        lora, ls = resolve_lora(args, family, ls)
+        check_outputs(args, lora)
+
+    from megatron_longstraw.metrics import ProgressBar, StepLogger, configure_logging
+
+    configure_logging()   # after Megatron's import-time logging setup: information on rank 0
+    data = read_data(args, model_cfg, ls)
 
     from megatron.core import parallel_state as ps
 
     from megatron_longstraw import parallel, precision
     from megatron_longstraw.kernels import select
     from megatron_longstraw.memory import SavedTensorMeter
-    from megatron_longstraw.metrics import ProgressBar, StepLogger
     from megatron_longstraw.receipts import (
         parameter_counts,
         step_memory,
@@ -275,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = parameter_counts(model)
     if rank == 0 and run.messages:
         print("\n".join(run.messages), flush=True)
-    groups = _groups(args, model_cfg, ls, dp_rank, dp_size)
+    groups = _groups(args, model_cfg, ls, dp_rank, dp_size, data)
     for _ in range(first_step):
         next(groups)  # the data position of an uninterrupted run
     logger = StepLogger(args.tensorboard_dir, enabled=rank == 0)

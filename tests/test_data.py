@@ -227,3 +227,23 @@ def test_write_groups_round_trip_and_synthetic_jsonl(tmp_path):
                                                      expected.response_ids))
         assert torch.equal(record.group.rewards, expected.rewards)
         assert math.isclose(float(record.group.rewards[2]), 2 / 8)  # member 2 copies 2 of 8
+
+
+@pytest.mark.parametrize("tail,fragment", [
+    # A file cut off mid-line (the last line, no newline), mid-string and mid-character.
+    (b'{"prompt_ids": [1, 2]', "not valid JSON (Expecting ',' delimiter at column 22) (the "
+                               "line ends early: was the file cut off?)"),
+    (b'{"prompt_ids": [1], "resp', "not valid JSON (Unterminated string starting at column 21) "
+                                  "(the line ends early"),
+    ('{"prompt": "caf\u00e9'.encode()[:-1], "not UTF-8 text (byte 0xc3 at column 16: unexpected "
+                                            "end of data); was the file cut off"),
+    (b'{"prompt_ids": [' + b"1" * 5000 + b"]}", "not valid JSON (ValueError: Exceeds the limit"),
+])
+def test_truncated_or_undecodable_lines_are_data_errors(tmp_path, tail, fragment):
+    path = tmp_path / "g.jsonl"
+    path.write_bytes((json.dumps(GOOD) + "\n\n").encode() + tail)
+    with pytest.raises(DataError) as info:
+        list(read_groups(path))
+    assert str(info.value).startswith(f"{path} line 3: "), info.value
+    assert fragment in str(info.value), info.value
+    assert (info.value.line, info.value.field) == (3, None)

@@ -259,3 +259,51 @@ def test_config_defaults() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         GRPOLossConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------- the step's settings
+
+
+@pytest.mark.usefixtures("single_process")
+def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
+    """LongStrawConfig's adv_eps / std_unbiased (YAML keys, --longstraw-adv-eps,
+    --longstraw-std-unbiased) reach the step's advantages. Rewards [3, 1, 2]: deviations
+    [1, -1, 0]; mean |A| = (2/3) / (std + eps) with std = sqrt(2/3) (population) or 1 (sample)."""
+    import yaml
+
+    from helpers import TINY_GLM, build_tiny_glm
+    from megatron_longstraw import train
+    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.grpo import GRPOGroup
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    cfg, model = build_tiny_glm(torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    group = GRPOGroup(torch.randint(0, cfg.vocab_size, (24,), generator=gen),
+                      [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (2, 3, 1)],
+                      _t([3, 1, 2]))
+    cases = [({}, (2 / 3) / (math.sqrt(2 / 3) + 1e-6)),
+             ({"std_unbiased": True}, (2 / 3) / (1 + 1e-6)),
+             ({"adv_eps": 0.5}, (2 / 3) / (math.sqrt(2 / 3) + 0.5)),
+             ({"adv_eps": 0.5, "std_unbiased": True}, (2 / 3) / 1.5)]
+    for settings, expected in cases:
+        ls = LongStrawConfig(group_size=3, max_response_len=8, **settings)
+        result = forward_backward_longstraw(model, group, ls, forward_only=True)
+        assert abs(result.stats["advantage_abs_mean"] - expected) <= TOL, settings
+    # The same settings from flags and from the YAML `longstraw:` section (flags win).
+    args, given = train.parse(["--longstraw", "--longstraw-config", str(TINY_GLM),
+                               "--longstraw-adv-eps", "0.5", "--longstraw-std-unbiased"])
+    ls = train.resolve(args, given)[2]
+    assert (ls.adv_eps, ls.std_unbiased) == (0.5, True)
+    assert (ls.loss_config().adv_eps, ls.loss_config().std_unbiased) == (0.5, True)
+    config = yaml.safe_load(TINY_GLM.read_text())
+    config["longstraw"].update(adv_eps=0.25, std_unbiased=True)
+    (tmp_path / "adv.yaml").write_text(yaml.safe_dump(config))
+    args, given = train.parse(["--longstraw", "--longstraw-config", str(tmp_path / "adv.yaml"),
+                               "--no-longstraw-std-unbiased"])
+    ls = train.resolve(args, given)[2]
+    assert (ls.adv_eps, ls.std_unbiased) == (0.25, False)
+    # YAML reads 1e-6 (no dot) as text: named, with the fix.
+    (tmp_path / "text.yaml").write_text("longstraw:\n  adv_eps: 1e-6\n")
+    with pytest.raises(ValueError, match=r"adv_eps must be a number, got '1e-6' .*write 1\.0e-6"):
+        LongStrawConfig.from_yaml(tmp_path / "text.yaml")

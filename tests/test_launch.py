@@ -96,6 +96,45 @@ def test_bad_values_are_reported():
         train.parse(["--longstraw", "--longstraw-kernels", "flashy"])
 
 
+def test_help_prints_every_flag(capsys):
+    # Megatron's help for --moe-paged-stash-buffer-size-factor-cuda ends "(e.g. 1.10 = 10%)": a
+    # bare % argparse's formatter rejected (ValueError) before arguments.escape_help_percents.
+    with pytest.raises(SystemExit) as info:
+        train.parse(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "(e.g. 1.10 = 10%)" in " ".join(text.split())
+    for flag in ("--longstraw-config", "--longstraw-family", "--longstraw-adv-eps",
+                 "--longstraw-std-unbiased", "--longstraw-lora-rank", "--longstraw-save-merged",
+                 "--tensor-model-parallel-size"):
+        assert flag in text, flag
+    # Only the help strings that did not format are touched.
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_longstraw.arguments import escape_help_percents
+
+    plain = add_megatron_arguments(argparse.ArgumentParser())
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in escape_help_percents(plain)
+    assert escape_help_percents(plain) == []                 # now every help string formats
+
+
+@pytest.mark.parametrize("flag,size", [("--tensor-model-parallel-size", 2),
+                                       ("--pipeline-model-parallel-size", 4),
+                                       ("--expert-tensor-parallel-size", 2)])
+def test_tensor_and_pipeline_parallelism_are_refused(flag, size):
+    """TP / PP > 1 used to be forced to 1 silently (the ranks became data-parallel); refused by
+    resolve, before any process group starts, saying what is supported."""
+    args, given = train.parse(["--longstraw", "--longstraw-config", TINY, flag, str(size)])
+    with pytest.raises(ValueError, match=rf"{flag} {size} is not supported\. LongStraw runs "
+                                         r"tensor- and pipeline-parallel size 1: .*context "
+                                         r"parallelism .*expert parallelism folded .*data "
+                                         r"parallelism"):
+        train.resolve(args, given)
+    args, given = train.parse(["--longstraw", "--longstraw-config", TINY, flag, "1"])
+    train.resolve(args, given)   # size 1 is what runs
+
 ALLOCATION = {"WORLD_SIZE": "32", "GPUS_PER_NODE": "8", "SLURM_NNODES": "4"}
 
 

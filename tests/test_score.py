@@ -249,3 +249,39 @@ def test_cp2_ep2_scores_equal_single_process(scored):
                 assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-9
     summary = json.loads((scored["tmp"] / "scores_cp2.jsonl.summary.json").read_text())
     assert abs(summary["overall"]["mean_diff"] - 0.24 / 21) <= 1e-9
+
+
+def test_model_format_directory_supplies_family_and_config(tmp_path, scored):
+    """A converted (model-format) directory carries its family and model config in
+    longstraw.json: without --family and --config the scores equal the run with them; a --config
+    of another model is refused naming the file and the field."""
+    from megatron_longstraw import model_format
+    from megatron_longstraw.errors import CheckpointError, ConfigError
+
+    _, model = build_tiny_glm(torch.float64)
+    model_format.save_model(tmp_path / "converted", model, family="glm52")
+    common = ["--checkpoint", str(tmp_path / "converted"), "--input",
+              str(scored["tmp"] / "groups_ab.jsonl"), "--dtype", "fp64"]
+    tool = load_score_tool()
+    with_config = tool.main(["--family", "glm52", "--config", str(TINY_GLM), *common,
+                             "--out", str(tmp_path / "a.jsonl")])
+    without = tool.main([*common, "--out", str(tmp_path / "b.jsonl")])
+    assert without["results"] == with_config["results"] and len(without["results"]) == 2
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    # The same weights as the bare checkpoint of the fixture (scored with smaller blocks).
+    for got, ref in zip(without["results"], scored["out"]["results"]):
+        for a, b in zip(got["logprobs"], ref["logprobs"]):
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-9
+    config = yaml.safe_load(TINY_GLM.read_text())
+    config["model"]["hidden_size"] = 96
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match=r"converted/longstraw\.json holds a different model "
+                                              r"than the one built: hidden_size \(saved 64, "
+                                              r"model 96\)"):
+        tool.main(["--config", str(tmp_path / "other.yaml"), *common,
+                   "--out", str(tmp_path / "c.jsonl")])
+    with pytest.raises(CheckpointError, match="holds a 'glm52' model, not --family qwen36"):
+        tool.main(["--family", "qwen36", *common, "--out", str(tmp_path / "c.jsonl")])
+    with pytest.raises(ConfigError, match="--family and --config needed: --random-init"):
+        tool.main(["--random-init", "--input", str(scored["tmp"] / "groups_ab.jsonl"),
+                   "--out", str(tmp_path / "c.jsonl")])

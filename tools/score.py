@@ -3,7 +3,13 @@
     python tools/score.py --family glm52 --config examples/glm52/tiny.yaml --checkpoint DIR \
         --input groups.jsonl --out scores.jsonl [--tokenizer PATH] [--dtype fp32|fp64]
     python tools/score.py --family qwen36 --config examples/qwen36/tiny.yaml --checkpoint DIR ...
+    python tools/score.py --checkpoint CONVERTED --input groups.jsonl --out scores.jsonl
     torchrun --nproc-per-node 2 tools/score.py ... --context-parallel-size 2     # GLM: CP = EP = 2
+
+A model-format directory (tools/convert_hf.py's output, megatron_longstraw/model_format.py) carries
+its family and model config in longstraw.json: `--family` and `--config` may then be left out (the
+step settings, block sizes and kernels, are then LongStrawConfig's defaults); given, they must
+match it. A bare checkpoint (a folder with model.safetensors only) and `--random-init` need both.
 
 The model families are the launcher's (megatron_longstraw/families.py: config class, builder,
 expert-parallel limit). GLM-5.2 folds EP on the CP ranks (EP = CP); Qwen3.6 has no experts (EP 1).
@@ -46,14 +52,28 @@ def expert_parallel_size(family: str, context_parallel_size: int) -> int:
     return context_parallel_size if limit is None else min(context_parallel_size, limit)
 
 
-def build_model(family: str, config_path: str, dtype: torch.dtype, expert_parallel_size: int = 1):
-    """(model config, model, number of routed experts) of `family` from the `model:` section of
-    `config_path`, built by the family's registry record (model-parallel state initialised)."""
+def model_config(family: str, config):
+    """`family`'s model config from the `model:` section of the YAML at `config`, a config dict (a
+    model-format directory's longstraw.json "model"), or a config object (returned as is)."""
+    from megatron_longstraw.families import get_family
+
+    config_class = get_family(family).config_class
+    if isinstance(config, dict):
+        return config_class.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return config_class.from_yaml(config)
+    return config
+
+
+def build_model(family: str, config, dtype: torch.dtype, expert_parallel_size: int = 1):
+    """(model config, model, number of routed experts) of `family` from `config` (`model_config`:
+    a YAML path, a config dict or object), built by the family's registry record (model-parallel
+    state initialised)."""
     from megatron_longstraw import precision
     from megatron_longstraw.families import get_family
 
     entry = get_family(family)
-    cfg = entry.config_class.from_yaml(config_path)
+    cfg = model_config(family, config)
     precision.use_dtype(dtype)
     model = entry.build(cfg, dtype, expert_parallel_size)
     return cfg, model, entry.num_routed_experts(cfg)
@@ -61,23 +81,29 @@ def build_model(family: str, config_path: str, dtype: torch.dtype, expert_parall
 
 def load_checkpoint(model, path: str | Path, num_experts: int) -> Path:
     """Load a plugin-format checkpoint (a directory with `model.safetensors` holding the
-    single-process Megatron state dict, or that file itself) into `model` (this rank's experts)."""
+    single-process Megatron state dict, or that file itself) into `model` (this rank's experts).
+    A model-format directory's longstraw.json must describe the model built."""
     from safetensors.torch import load_file
 
-    from megatron_longstraw import parallel
+    from megatron_longstraw import model_format, parallel
+    from megatron_longstraw.errors import CheckpointError, InputNotFound
 
     path = Path(path)
     file = path / "model.safetensors" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"--checkpoint {path}: no model.safetensors there; pass a "
-                                "checkpoint directory written by the plugin (or --random-init).")
+        raise InputNotFound(f"--checkpoint {path}: no model.safetensors there; pass a "
+                            "checkpoint directory written by the plugin (or --random-init).")
+    if path.is_dir() and model_format.is_model_format(path):
+        meta = model_format.read_meta(path / model_format.MODEL_META, model_format.MODEL_FORMAT)
+        model_format.check_model_config(meta, model, path / model_format.MODEL_META)
     full = load_file(str(file))
     for name, tensor in model.state_dict().items():
         source = full.get(parallel.global_name(name, num_experts))
         if source is not None and source.shape != tensor.shape:
-            raise ValueError(f"--checkpoint {file}: {name} has shape {tuple(source.shape)} there "
-                             f"but {tuple(tensor.shape)} in the model built from --config; the "
-                             "config does not match the checkpoint.")
+            raise CheckpointError(f"--checkpoint {file}: {name} has shape "
+                                  f"{tuple(source.shape)} there but {tuple(tensor.shape)} in the "
+                                  "model built from --config; the config does not match the "
+                                  "checkpoint.")
     parallel.load_full_state_dict(model, full, num_experts)
     return file
 
@@ -183,7 +209,7 @@ def _agreed(records, layout):
 
     records = iter(records)
     while True:
-        record, error = None, None
+        record, error, own = None, None, None
         try:
             record = next(records)
         except StopIteration:
@@ -191,9 +217,14 @@ def _agreed(records, layout):
         except (ValueError, OSError) as exc:
             if layout.size == 1:
                 raise
-            error = str(exc)
+            error, own = str(exc), exc
         if layout.size > 1:
-            check_agreement(error, _fingerprint(record), layout)
+            try:
+                check_agreement(error, _fingerprint(record), layout)
+            except ValueError:
+                if own is not None:   # this rank's own error (a DataError names file and line)
+                    raise own from None
+                raise
         if record is None:
             return
         yield record
@@ -215,9 +246,13 @@ def _fingerprint(record) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(FAMILIES), required=True,
-                   help="Model family (megatron_longstraw/families.py).")
-    p.add_argument("--config", required=True, help="Model YAML (`model:` and `longstraw:`).")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="Model family (megatron_longstraw/families.py); default: the "
+                        "--checkpoint model-format directory's.")
+    p.add_argument("--config", default=None,
+                   help="Model YAML (`model:` and `longstraw:`); default: the model config in the "
+                        "--checkpoint model-format directory's longstraw.json (step settings: "
+                        "the defaults).")
     weights = p.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors.")
     weights.add_argument("--random-init", action="store_true",
@@ -238,29 +273,71 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def resolve_model_source(args) -> tuple[str, str | dict]:
+    """(family, model config: the --config YAML path or longstraw.json's "model" dict) from the
+    flags and, where they are left out, the --checkpoint model-format directory."""
+    from megatron_longstraw import model_format
+    from megatron_longstraw.errors import CheckpointError, ConfigError
+
+    meta = None
+    if args.checkpoint and model_format.is_model_format(args.checkpoint):
+        meta = model_format.read_meta(Path(args.checkpoint) / model_format.MODEL_META,
+                                      model_format.MODEL_FORMAT)
+    if meta is None and (args.family is None or args.config is None):
+        missing = " and ".join(f for f, v in (("--family", args.family),
+                                              ("--config", args.config)) if v is None)
+        source = ("--random-init" if args.random_init else
+                  f"--checkpoint {args.checkpoint} is not a model-format directory (no "
+                  f"{model_format.MODEL_META})")
+        raise ConfigError(f"{missing} needed: {source}, so nothing says which model to build; "
+                          "pass them, or a tools/convert_hf.py output as --checkpoint.")
+    family = args.family or meta.get("family")
+    if meta is not None and meta.get("family") != family:
+        raise CheckpointError(f"--checkpoint {args.checkpoint} holds a {meta.get('family')!r} "
+                              f"model, not --family {family}.")
+    if family not in FAMILIES:
+        raise CheckpointError(f"--checkpoint {args.checkpoint}: family {family!r} is not one "
+                              f"of {sorted(FAMILIES)}.")
+    if args.config is not None:
+        return family, args.config
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{Path(args.checkpoint) / model_format.MODEL_META}: no \"model\" "
+                              "config; pass --config.")
+    return family, meta["model"]
+
+
 def main(argv=None) -> dict:
+    """The tool (module docstring); raises user errors (errors.py) like the launcher, which
+    `__main__` reports as one line with exit code 2."""
     args = parse_args(argv)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     import torch.distributed as dist
 
-    from megatron_longstraw import parallel
+    from megatron_longstraw import errors, parallel
     from megatron_longstraw.arguments import longstraw_config_from_yaml
+    from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.data import read_records
+    from megatron_longstraw.metrics import configure_logging
 
+    configure_logging()
+    with errors.configuration():   # flags, YAML, the model config's values
+        family, source = resolve_model_source(args)
+        cfg = model_config(family, source)
+        ls = longstraw_config_from_yaml(args.config) if args.config else LongStrawConfig()
     cp = args.context_parallel_size
-    ep = expert_parallel_size(args.family, cp)
+    ep = expert_parallel_size(family, cp)
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=args.seed)
     if dist.get_world_size() != cp:
-        raise SystemExit(f"score.py runs one context-parallel group: launch {cp} processes for "
-                         f"--context-parallel-size {cp} (got {dist.get_world_size()}).")
+        raise errors.ConfigError(f"score.py runs one context-parallel group: launch {cp} "
+                                 f"processes for --context-parallel-size {cp} (got "
+                                 f"{dist.get_world_size()}).")
     rank0 = dist.get_rank() == 0
     log = (lambda msg: print(f"[score] {msg}", file=sys.stderr, flush=True)) if rank0 else None
 
-    model_cfg, model, num_experts = build_model(args.family, args.config, DTYPES[args.dtype], ep)
+    model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], ep)
     if args.checkpoint:
         load_checkpoint(model, args.checkpoint, num_experts)
     model.eval()
-    ls = longstraw_config_from_yaml(args.config)   # a training YAML's LoRA keys are ignored
 
     records = read_records(args.input, tokenizer=args.tokenizer, vocab_size=model_cfg.vocab_size,
                            require_rewards=False)
@@ -324,4 +401,6 @@ def format_summary(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_longstraw.errors import run_entry
+
+    run_entry(main)
