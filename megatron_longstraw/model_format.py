@@ -329,12 +329,20 @@ def read_meta(path: Path, kind: str) -> dict:
     return meta
 
 
+INIT_ONLY_FIELDS = ("init_std",)
+"""Model-config fields that only shape a random initialisation: loaded weights replace it, so a
+saved model and the built one may differ in them."""
+
+
 def check_model_config(meta: dict, model, where: Path) -> None:
+    """Raise CheckpointError when the model saved in `where` (its meta.json `model`) is not the
+    architecture `model` was built with (fields in INIT_ONLY_FIELDS aside)."""
     cfg = getattr(unwrap(model), "longstraw_config", None)
     if cfg is None or meta.get("model") is None:
         return
     ours = cfg.to_dict()
-    diff = {k: (meta["model"].get(k), v) for k, v in ours.items() if meta["model"].get(k) != v}
+    diff = {k: (meta["model"].get(k), v) for k, v in ours.items()
+            if k not in INIT_ONLY_FIELDS and meta["model"].get(k) != v}
     if diff:
         raise CheckpointError(
             f"{where} holds a different model than the one built: "

@@ -127,3 +127,41 @@ COMMON_FROM_MEGATRON: dict[str, tuple[str, Callable]] = {
 }
 """Megatron flag -> (config field, conversion) for the settings every family's config names the
 same way (a family's `from_megatron` extends it)."""
+
+
+MLA_MOE_FROM_MEGATRON: dict[str, tuple[str, Callable]] = {
+    **COMMON_FROM_MEGATRON,
+    "q_lora_rank": ("q_lora_rank", same),
+    "kv_lora_rank": ("kv_lora_rank", same),
+    "qk_head_dim": ("qk_nope_head_dim", same),
+    "qk_pos_emb_head_dim": ("qk_rope_head_dim", same),
+    "v_head_dim": ("v_head_dim", same),
+    "num_experts": ("n_routed_experts", same),
+    "moe_router_topk": ("num_experts_per_tok", same),
+    "moe_ffn_hidden_size": ("moe_intermediate_size", same),
+    "moe_router_topk_scaling_factor": ("routed_scaling_factor", same),
+}
+"""`COMMON_FROM_MEGATRON` plus the MLA and MoE flags of the MLA + MoE families (GLM-5.2,
+DeepSeek-V3), whose configs name them the HF way."""
+
+MLA_MOE_LORA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                        "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
+"""MLA's projections, the attention output and every FFN (dense, shared and routed experts)."""
+
+
+# ---- the launcher's build -----------------------------------------------------------------------
+
+
+def selected_kernels_build(build_model: Callable, routed_experts: bool = True) -> Callable:
+    """A family's `Family.build` over its `build_model`: the selected dense backend and, for a
+    model with routed experts, the selected MoE dispatcher (kernels/select.py, imported when
+    called)."""
+
+    def build(cfg, params_dtype, expert_parallel_size: int = 1):
+        from megatron_longstraw.kernels import select
+
+        backend = select.dense_spec_provider()
+        overrides = select.moe_config_overrides(expert_parallel_size) if routed_experts else {}
+        return build_model(cfg, params_dtype, backend=backend, **overrides)
+
+    return build

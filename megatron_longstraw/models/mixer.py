@@ -19,11 +19,15 @@ Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateA
 
 Page reads and writes go through `read_page`, `write_rows`, `write_state`, so the choice between a
 constant prompt state and a differentiable one (`PageStore.leaf`, the exact prompt-gradient hook)
-is made here, once. A family's mixer keeps only its math; the context-parallel exchanges it needs
-are functions of `models/context_parallel.py`.
+is made here, once, and so is `causal_in_order`, the no-autograd token-block loop of the attention
+mixers whose pages are per-token key rows (capture, and a full forward under no_grad). A family's
+mixer keeps only its math; the context-parallel exchanges it needs are functions of
+`models/context_parallel.py`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -90,3 +94,31 @@ class StateAwareMixer:
     def write_state(self, state: AttentionPass, kind: str, tensor: torch.Tensor) -> None:
         """Store fixed-size state of `kind` (e.g. a recurrent state after the prefix)."""
         state.pages.put(self.layer_idx, kind, tensor)
+
+    # ---- the in-order causal loop -----------------------------------------------------------
+
+    def causal_in_order(self, x: torch.Tensor, state: AttentionPass, kinds: Sequence[str],
+                        write_pages: bool, rows: Callable, attend: Callable):
+        """No autograd: token blocks in order; a block's queries attend over the key rows written
+        so far (one preallocated buffer per page kind), so nothing is O(P^2). `rows(x_block,
+        positions)` -> (one row tensor per kind of `kinds`, what `attend` needs of the block);
+        `attend(that, buffers up to the block's end, positions, key positions)` -> the block's
+        output [b, 1, hidden]. With `write_pages` (capture) each block's rows are appended to the
+        pages. -> (output [s, 1, hidden], None)"""
+        num_tokens = x.shape[0]
+        buffers = None
+        outputs = []
+        for start in range(0, num_tokens, state.token_block):
+            end = min(start + state.token_block, num_tokens)
+            positions = state.positions[start:end]
+            block_rows, block = rows(x[start:end], positions)
+            if write_pages:
+                for kind, r in zip(kinds, block_rows):
+                    self.write_rows(state, kind, r)
+            if buffers is None:
+                buffers = [r.new_empty((num_tokens,) + r.shape[1:]) for r in block_rows]
+            for buffer, r in zip(buffers, block_rows):
+                buffer[start:end] = r
+            outputs.append(attend(block, [buffer[:end] for buffer in buffers], positions,
+                                  state.positions[:end])[0])
+        return torch.cat(outputs), None

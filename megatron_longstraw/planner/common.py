@@ -172,3 +172,29 @@ def lse_merge_saved(queries: int, rows: int, heads: int, width: int, acc: float)
     clamp's input); torch.where's condition (bool)."""
     return (2 * queries * heads * acc + queries * heads * width * acc
             + rows * heads * (width + 2) * acc + rows * heads)
+
+
+def rank_rows(prompt_len: int, cp: int, response_len: int) -> tuple[int, int, int, int]:
+    """(n: captured prompt rows on the busiest rank, total: captured prompt rows P - 1 of all
+    ranks, rows: this rank's branch rows ceil(R / CP), r_pad: the padded branch rows * CP)."""
+    rows = -(-response_len // cp)
+    return local_prompt_rows(prompt_len, cp), max(prompt_len - 1, 0), rows, rows * cp
+
+
+def rms_norm_saved(rows: int, width: int, b: float) -> float:
+    """torch RMSNorm under autograd on [rows, width]: input, rstd x2, two products."""
+    return (3 * rows * width + 2 * rows) * b
+
+
+def outside_layers_saved(cfg, rows: int, b: float, acc: float,
+                         final_norm: float) -> tuple[float, float, float, float]:
+    """What replay saves outside the decoder layers for `rows` branch rows: (token ids, the
+    checkpoint inputs [rows, h] of every decoder layer, the LM head: `final_norm`'s bytes,
+    output_layer input, log-softmax saved twice (its output and gather's input) and the gather
+    index, the loss: grpo.member_loss's ratio, clip, min and scalars)."""
+    h = cfg.hidden_size
+    embed = 8 * rows
+    inputs = cfg.num_hidden_layers * rows * h * b
+    head = final_norm + rows * h * b + 2 * rows * cfg.vocab_size * acc + 8 * rows
+    loss = 4 * rows * acc + 2 * acc
+    return embed, inputs, head, loss

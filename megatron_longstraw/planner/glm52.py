@@ -1,10 +1,16 @@
 """The GLM-5.2 family of the planner: parameters, pages and replay activations of
-`models/glm52` (checked against the model in tests/test_planner.py)."""
+`models/glm52` (checked against the model in tests/test_planner.py). The MLA + MoE pieces it
+shares with DeepSeek-V3 are `planner/mla.py`'s; GLM-5.2's own are the DSA indexer (its
+parameters, index-key pages, scores and top-k selections) and the sparse attention core."""
 
 from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
+    rank_rows, rms_norm_saved,
+)
+from megatron_longstraw.planner.mla import (
+    CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
 )
 
 
@@ -12,36 +18,12 @@ from megatron_longstraw.planner.common import (
 
 
 def glm52_params(cfg) -> list[ParamGroup]:
-    """Every parameter of build_glm52_model (Megatron names in comments)."""
-    h, H, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    dn, dr, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    L, V = cfg.num_hidden_layers, cfg.vocab_size
-    proj = [(h, qr), (qr, H * (dn + dr)), (h, kvr + dr), (kvr, H * (dn + v)), (H * v, h)]
-    # input_layernorm + q_layernorm + kv_layernorm; linear_q_down/up, linear_kv_down/up, linear_proj
-    attention = h + qr + kvr + sum(i * o for i, o in proj)
+    """Every parameter of build_glm52_model: the MLA + MoE groups plus the DSA indexer."""
+    h, di, hi = cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads
     # DSAIndexer: linear_wq_b, linear_wk, k_norm (LayerNorm: weight + bias), linear_weights_proj
-    indexer = qr * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim \
-        + 2 * cfg.index_head_dim + h * cfg.index_n_heads
-    dense = cfg.first_k_dense_replace
-    moe = L - dense
-    mlp = lambda ffn: [(h, 2 * ffn), (ffn, h)]         # linear_fc1 (gated), linear_fc2
-    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-    return [
-        ParamGroup("embedding", V * h, kind="embedding"),
-        ParamGroup("output_layer + final_norm", V * (0 if cfg.tie_word_embeddings else h) + h,
-                   kind="head"),
-        ParamGroup("attention (MLA)", L * attention, kind="attention", lora_shapes=proj * L),
-        ParamGroup("DSA indexer", cfg.num_full_indexer_layers() * indexer, kind="indexer"),
-        # pre_mlp_layernorm, linear_fc1 (gated: 2 x ffn), linear_fc2
-        ParamGroup("dense MLP", dense * (h + 3 * h * cfg.intermediate_size), kind="mlp",
-                   lora_shapes=mlp(cfg.intermediate_size) * dense),
-        ParamGroup("MoE router + shared expert + norm",
-                   moe * (h + cfg.n_routed_experts * h + 3 * h * shared), kind="mlp",
-                   lora_shapes=mlp(shared) * moe),
-        ParamGroup("routed experts", moe * cfg.n_routed_experts * 3 * h * cfg.moe_intermediate_size,
-                   expert=True, kind="experts",
-                   lora_shapes=mlp(cfg.moe_intermediate_size) * moe * cfg.n_routed_experts),
-    ]
+    indexer = cfg.q_lora_rank * hi * di + h * di + 2 * di + h * hi
+    return mla_moe_params(cfg, [ParamGroup("DSA indexer", cfg.num_full_indexer_layers() * indexer,
+                                           kind="indexer")])
 
 
 def glm52_pages(cfg, latent_bytes: float, index_key_bytes: float) -> list[PageKind]:
@@ -65,42 +47,26 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     layer inputs + LM head + loss) and `uncheckpointed` (every layer's tensors).
     """
     acc = acc or max(b, 4.0)
-    h, H, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    dn, dr, v, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.vocab_size
-    d_qk = kvr + dr
+    h, H, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    d_qk, V = kvr + cfg.qk_rope_head_dim, cfg.vocab_size
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
     k = min(cfg.index_topk, prefix_len + q)            # selection width
-    norm = lambda width: (3 * c * width + 2 * c) * b   # torch RMSNorm: input, rstd x2, two products
     attention = (
-        norm(h)                                        # input_layernorm
-        + c * h * b                                    # linear_kv_down_proj input
-        + norm(kvr)                                    # kv_layernorm (c_kv)
-        + 2 * c * dr * b                               # RoPE of k_pe (cos, sin saved twice)
-        + c * h * b + norm(qr) + c * qr * b            # linear_q_down_proj, q_layernorm, q_up input
-        + H * c * dn * b                               # q_nope . W_UK (einsum)
-        + 2 * c * dr * b                               # RoPE of q_pe
+        mla_outer_saved(cfg, c, b)
         + 8 * q * k                                    # selection / local key index (int64)
         + q * k * d_qk * b + q * H * d_qk * b          # gathered latent rows, absorbed queries
         + 2 * q * k                                    # validity masks (bool)
         + 2 * q * H * k * acc + q * H * k * b + 2 * q * H * acc   # logsumexp / exp / probs
         + q * k * kvr * b                              # value rows c_kv (second einsum)
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
-        + c * H * v * b                                # linear_proj input
     )
     if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
         attention += lse_merge_saved(q, c, H, kvr, acc)
-    mlp = lambda ffn: c * h * b + 4 * c * ffn * b     # linear_fc1 input, GLU (3), linear_fc2 input
-    dense = norm(h) + mlp(cfg.intermediate_size)
-    routed = c * cfg.num_experts_per_tok               # (token, expert) pairs
     E = cfg.n_routed_experts
-    moe = (norm(h) + mlp(cfg.moe_intermediate_size * cfg.n_shared_experts)
-           + c * h * b                                 # router input
-           + 2 * c * E * router_bytes + c * router_bytes + routed * router_bytes  # sigmoid / top-k
-           + 3 * routed * 8                            # top-k indices (int64)
-           + 2 * routed * 8                            # permutation indices
-           + routed * (h * b + 5 * cfg.moe_intermediate_size * b + router_bytes)  # experts + probs
-           + routed * h * 8)                           # unpermute scatter index (expanded view)
+    # the router's sigmoid / top-k scratch: two [c, E] and one [c] (measured)
+    dense, moe = ffn_saved(cfg, c, b, router_bytes, 2 * c * E * router_bytes + c * router_bytes)
+    routed = c * cfg.num_experts_per_tok               # (token, expert) pairs
     # Saved references that are views of another saved tensor (counted by the meter, not by the
     # allocator): the value rows (a slice of the latent rows), the expanded scatter index, and the
     # log-probs saved a second time by gather.
@@ -110,10 +76,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
               for i in range(cfg.num_hidden_layers)]
     layers_device = [attention - attention_views + (moe - moe_views if cfg.is_moe_layer(i) else dense)
                      for i in range(cfg.num_hidden_layers)]
-    head = norm(h) + c * h * b + 2 * c * V * acc + 8 * c   # final_norm, output_layer, log-softmax, gather
-    loss = 4 * c * acc + 2 * acc                       # grpo.member_loss: ratio, clip, min, scalars
-    embed = 8 * c                                      # token ids
-    inputs = cfg.num_hidden_layers * c * h * b         # checkpoint inputs, one per decoder layer
+    embed, inputs, head, loss = outside_layers_saved(cfg, c, b, acc, rms_norm_saved(c, h, b))
     return {"embedding": embed, "checkpoint_inputs": inputs, "layer_working_set": max(layers),
             "layer_working_set_device": max(layers_device),
             "attention_working_set": attention, "head": head, "head_device": head - c * V * acc,
@@ -129,11 +92,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     b, acc = spec.act_bytes, max(spec.act_bytes, 4.0)
     h, H, kvr, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     d_qk, di, hi, topk = kvr + dr, cfg.index_head_dim, cfg.index_n_heads, cfg.index_topk
-    cp, R = spec.cp, spec.response_len
-    n = local_prompt_rows(prompt_len, cp)               # captured rows on this rank
-    total = max(prompt_len - 1, 0)
-    rows = -(-R // cp)                                  # this rank's branch rows
-    r_pad = rows * cp
+    cp = spec.cp
+    n, total, rows, r_pad = rank_rows(prompt_len, cp, spec.response_len)
     k = min(topk, total + r_pad)
     pages = glm52_pages(cfg, spec.latent_bytes, spec.index_key_bytes)
     index_row = di * spec.index_key_bytes
@@ -144,8 +104,6 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     # Capture (capture.py; attention.py `_attend_local_keys`; common.run_group), one layer at a time.
     # Attention layers and MoE layers peak separately ("one of" groups: the largest counts).
     qb = min(spec.query_block, max(n, 1))
-    chunk = -(-n // max(1, -(-n // spec.token_block))) if n else 0
-    routed = chunk * cfg.num_experts_per_tok * spec.moe_imbalance
     gathered = 0.0
     if cp > 1:  # parallel.gather_sequence: the whole prompt's keys on every rank, plus its buffers
         gathered = max(2 * total * d_qk * b, total * d_qk * b + 2 * total * di * b) + 8 * total
@@ -162,13 +120,9 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("sparse attention block [query_block, topk, latent] + logits",
              qb * topk * d_qk * b + qb * H * topk * (b + 3 * acc), group="block"),
     ]
-    capture_moe = [
-        Item("capture residual stream [P/CP, h] x3 (layer input, chunk outputs, cat)", 3 * n * h * b),
+    capture_moe = capture_moe_items(cfg, spec, n, [
         Item("capture selection [P/CP, topk] int64 (latest full indexer layer)",
-             n * min(topk, total) * 8),
-        Item("MoE dispatch buffers (one token chunk: permuted, received, expert in/out)",
-             routed * (4 * h * b + 3 * cfg.moe_intermediate_size * b)),
-    ]
+             n * min(topk, total) * 8)])
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents, the CP path builds a global
     # position lookup.
@@ -187,8 +141,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("global top-k merge [query_block, CP x 2 topk] (scores, positions, sort)",
              min(spec.query_block, r_pad) * cp * 2 * k * (3 * acc + 5 * 8) if cp > 1 else 0,
              group="step"),
-        Item("LSE merge: [weight * out; weight] [R, heads, kv_lora_rank + 1] fp32 + reduce-scatter",
-             2 * r_pad * H * (kvr + 1) * acc if cp > 1 else 0, group="step"),
+        lse_merge_item(cfg, r_pad, cp, acc),
     ]
     replay = common + [
         Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
@@ -201,11 +154,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
              saved["largest_saved_tensor"]),
         Item("replay page-gradient buffer [P/CP + R, latent] (index backward)", (n + r_pad) * d_qk * b),
     ]
-    notes = []
-    if cp > 1:
-        notes.append("CP replay gathers all R_pad branch queries on every rank and merges the "
-                     "partial outputs [R_pad, heads, kv_lora_rank] by log-sum-exp with a "
-                     "reduce-scatter: the attention working set grows with R, not R/CP.")
+    notes = [CP_REPLAY_NOTE] if cp > 1 else []
     return Footprint(params=glm52_params(cfg), pages=pages,
                      phases={"capture (attention layer)": capture_attention,
                              "capture (MoE layer)": capture_moe,

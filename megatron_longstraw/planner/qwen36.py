@@ -4,7 +4,8 @@ activations of `models/qwen36` (checked against the model in tests/test_planner.
 from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
+    rank_rows,
 )
 
 
@@ -195,11 +196,8 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
     attention = attention_outer + queries + num_query_blocks * key_rows   # keys saved per query block
     attention_device = attention_outer + queries + key_rows
 
-    # final_norm, output_layer input, log-softmax (saved twice: its output and gather's input), index
-    head = norm(c, h) + c * h * b + 2 * c * V * acc + 8 * c
-    loss = 4 * c * acc + 2 * acc                       # grpo.member_loss: ratio, clip, min, scalars
-    embed = 8 * c                                      # token ids
-    inputs = cfg.num_hidden_layers * c * h * b         # checkpoint inputs, one per decoder layer
+    # token ids, checkpoint inputs, LM head (the zero-centred final_norm), loss
+    embed, inputs, head, loss = outside_layers_saved(cfg, c, b, acc, norm(c, h))
     layers = [attention + mlp if cfg.is_full_attention(i) else gdn + mlp
               for i in range(cfg.num_hidden_layers)]
     end_of_forward = embed + sum(layers) + head + loss
@@ -234,10 +232,7 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     hv, dk, dv = cfg.linear_num_value_heads // cp, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     in_proj = 2 * cfg.linear_num_key_heads * dk + 2 * cfg.linear_num_value_heads * dv \
         + 2 * cfg.linear_num_value_heads
-    n = local_prompt_rows(prompt_len, cp)               # captured rows on this rank
-    total = max(prompt_len - 1, 0)
-    rows = -(-R // cp)                                  # this rank's branch rows
-    r_pad = rows * cp
+    n, total, rows, r_pad = rank_rows(prompt_len, cp, R)
     state_bytes = max(4.0, b)                           # both delta-rule kernels keep S in fp32
     pages = qwen36_pages(cfg, spec.latent_bytes, spec.latent_bytes, state_bytes, cp, total > 0)
     saved = qwen36_replay_saved(cfg, rows, cp, n, b, spec.query_block, acc=acc)

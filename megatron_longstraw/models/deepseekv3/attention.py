@@ -80,24 +80,14 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state.positions, latents, key_positions, state))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
-        """No autograd (capture, or a full forward under no_grad): token blocks in order; a block's
-        queries attend over the latent rows written so far (a preallocated buffer). Capture appends
-        each block's rows to the pages. -> (output [s, 1, hidden], None)"""
-        num_tokens = x.shape[0]
-        latents = None
-        outputs = []
-        for start in range(0, num_tokens, state.token_block):
-            end = min(start + state.token_block, num_tokens)
-            positions = state.positions[start:end]
-            rows = self._latent_rows(x[start:end], positions)
-            if write_pages:
-                self.write_rows(state, LATENT, rows)
-            if latents is None:
-                latents = rows.new_empty((num_tokens, rows.shape[1]))
-            latents[start:end] = rows
-            out = self._attend(x[start:end], positions, latents[:end], state.positions[:end], state)
-            outputs.append(self._project_out(out)[0])
-        return torch.cat(outputs), None
+        """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
+        over the latent rows; a block's queries attend over the rows written so far.
+        -> (output [s, 1, hidden], None)"""
+        return self.causal_in_order(
+            x, state, (LATENT,), write_pages,
+            rows=lambda x_block, positions: ((self._latent_rows(x_block, positions),), x_block),
+            attend=lambda x_block, latents, positions, key_positions: self._project_out(
+                self._attend(x_block, positions, latents[0], key_positions, state)))
 
     def _capture_context_parallel(self, x: torch.Tensor, state: AttentionPass):
         """Capture of this rank's load-balanced prompt shard: its latent rows become its pages;

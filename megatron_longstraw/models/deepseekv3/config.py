@@ -17,9 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from megatron_longstraw.models.config_files import ConfigFiles, longstraw_transformer_settings
+from megatron_longstraw.models.config_files import ConfigFiles, mla_moe_transformer_settings
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -159,7 +158,8 @@ class DeepseekV3Config(ConfigFiles):
     # ---- Megatron-Core ----------------------------------------------------------------------
 
     def to_transformer_config(self, params_dtype: torch.dtype = torch.float32, **overrides):
-        """Megatron-Core `MLATransformerConfig` for this architecture.
+        """Megatron-Core `MLATransformerConfig` for this architecture: the MLA + MoE settings
+        (`config_files.mla_moe_transformer_settings`) plus YaRN's fields.
 
         RoPE: the rotation runs in the mixer (`attention.py`; YaRN through `kernels/refs.py`
         `yarn_inv_freq`, switched on by the spec, `spec.deepseekv3_stack_spec(yarn=...)`), so
@@ -174,47 +174,15 @@ class DeepseekV3Config(ConfigFiles):
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         yarn = self.rope_type == "yarn"
-        grouped = self.n_group > 1
         kwargs = dict(
-            num_layers=2 * self.num_hidden_layers,  # one attention + one FFN symbol per layer
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self.intermediate_size,
-            multi_latent_attention=True,
-            q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_head_dim=self.qk_nope_head_dim,
-            qk_pos_emb_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-            rope_type="rope",  # the mixer applies RoPE / YaRN itself (see the docstring)
-            rotary_base=self.rope_theta,
+            **mla_moe_transformer_settings(self, params_dtype),
+            # rope_type stays "rope": the mixer applies RoPE / YaRN itself (see above)
             rotary_scaling_factor=self.rope_factor if yarn else 1.0,
             original_max_position_embeddings=self.original_max_position_embeddings,
             beta_fast=self.beta_fast,
             beta_slow=self.beta_slow,
             mscale=self.mscale if yarn else 1.0,
             mscale_all_dim=self.mscale_all_dim if yarn else 0.0,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.rms_norm_eps,
-            add_bias_linear=False,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            num_moe_experts=self.n_routed_experts,
-            moe_router_topk=self.num_experts_per_tok,
-            moe_ffn_hidden_size=self.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=self.moe_intermediate_size * self.n_shared_experts,
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,  # RL post-training keeps the balancing bias fixed
-            moe_router_topk_scaling_factor=self.routed_scaling_factor,
-            moe_router_pre_softmax=False,
-            moe_router_num_groups=self.n_group if grouped else None,
-            moe_router_group_topk=self.topk_group if grouped else None,
-            moe_router_dtype="fp64" if params_dtype == torch.float64 else "fp32",
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-            moe_aux_loss_coeff=0.0,
-            **longstraw_transformer_settings(params_dtype, self.init_std),
         )
         kwargs.update(overrides)
         return MLATransformerConfig(**kwargs)

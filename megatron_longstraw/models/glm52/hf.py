@@ -1,12 +1,11 @@
 """Hugging Face interop for GLM-5.2: `GlmMoeDsaConfig` <-> `GLM52Config`, and state dicts of
 transformers' `GlmMoeDsaForCausalLM` <-> our Megatron `HybridModel` (see `model.build_glm52_model`).
 
-Megatron layout: decoder layer i is HybridStack symbol 2i (attention: `input_layernorm`,
-`self_attention.*`, the DSA indexer under `self_attention.core_attention.indexer`) and symbol 2i + 1
-(FFN: `pre_mlp_layernorm`, `mlp.*`). Fused gated projections keep rows `[gate; up]` on both sides
-(Megatron's GLU applies the activation to the first half of `linear_fc1`'s output; transformers'
-experts do `gate, up = linear(x, gate_up_proj[e]).chunk(2)`). Routed experts are one Megatron
-module each (`experts.local_experts.e`) and one slice of HF's stacked `[E, ...]` tensors.
+The tensor correspondences are the MLA + MoE mapping GLM-5.2 shares with DeepSeek-V3
+(`models/hf_common.py`: layout, fused `[gate; up]` rows, routed experts, the strict drivers)
+plus what is GLM-5.2's own: each full indexer layer's DSA indexer
+(`self_attention.core_attention.indexer` <-> `self_attn.indexer`; IndexShare layers have none),
+and the IndexShare schedule in the config.
 Only expert-parallel size 1 is supported (every rank must hold all experts).
 
 transformers builds `q_a_layernorm` / `kv_a_layernorm` with eps 1e-6 whatever `rms_norm_eps` is;
@@ -15,26 +14,20 @@ our spec builds the latent norms with `GLM52Config.latent_norm_eps` (default 1e-
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from megatron_longstraw.models import hf_common
 from megatron_longstraw.models.family import HFConversion
 from megatron_longstraw.models.glm52.config import GLM52Config, has_own_indexer
 
 if TYPE_CHECKING:
     from transformers import GlmMoeDsaConfig
 
-_SAME_NAME_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-    "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
-    "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings",
-)
+_SAME_NAME_FIELDS = hf_common.MLA_MOE_SAME_NAME_FIELDS + (
+    "index_n_heads", "index_head_dim", "index_topk")
 _HF_INDEXER_NORM_EPS = 1e-6  # transformers' GlmMoeDsaIndexer.k_norm (hard-coded)
 
 
@@ -49,14 +42,7 @@ def _check_representable(cfg: GLM52Config) -> None:
         problems.append(f"indexer_norm_eps={cfg.indexer_norm_eps} (transformers uses 1e-6)")
     if cfg.latent_norm_eps != _HF_INDEXER_NORM_EPS:
         problems.append(f"latent_norm_eps={cfg.latent_norm_eps} (transformers uses 1e-6)")
-    if not cfg.norm_topk_prob:
-        problems.append("norm_topk_prob=False (Megatron's sigmoid router always normalises)")
-    elif cfg.num_experts_per_tok == 1:
-        problems.append("num_experts_per_tok=1 (transformers normalises the single weight to 1, "
-                        "Megatron keeps the sigmoid score)")
-    if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
-        problems.append("n_group > 1 with num_experts_per_tok // topk_group != 2 (transformers "
-                        "scores a group by its top-2 experts, Megatron by its top-k/topk_group)")
+    problems += hf_common.sigmoid_router_problems(cfg)
     if problems:
         raise ValueError("GLM52Config has no transformers equivalent: " + "; ".join(problems) + ".")
 
@@ -152,196 +138,47 @@ def glm52_config_from_hf(hf_cfg: "GlmMoeDsaConfig | Mapping[str, Any]") -> GLM52
 # ---- state dicts --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One HF <-> Megatron correspondence. kind 'copy': meg[0] == hf[0]; 'cat': meg[0] ==
-    cat(hf[0], hf[1]) on dim 0 (gate, up); 'stack': hf[0] == stack(meg) (routed experts)."""
-
-    kind: str
-    meg: tuple[str, ...]
-    hf: tuple[str, ...]
-
-
-def _mapping(cfg: GLM52Config) -> list[_Entry]:
-    """Every tensor correspondence of a GLM-5.2 model described by `cfg`."""
-    copy = lambda meg, hf: _Entry("copy", (meg,), (hf,))  # noqa: E731
-    entries = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-               copy("decoder.final_norm.weight", "model.norm.weight")]
-    if not cfg.tie_word_embeddings:
-        entries.append(copy("output_layer.weight", "lm_head.weight"))
-    for i in range(cfg.num_hidden_layers):
-        a, f, h = f"decoder.layers.{2 * i}", f"decoder.layers.{2 * i + 1}", f"model.layers.{i}"
-        sa, attn = f"{a}.self_attention", f"{h}.self_attn"
-        entries += [copy(f"{a}.input_layernorm.weight", f"{h}.input_layernorm.weight"),
-                    copy(f"{f}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight")]
-        for meg, hf in (("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
-                        ("linear_q_up_proj", "q_b_proj"), ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
-                        ("kv_layernorm", "kv_a_layernorm"), ("linear_kv_up_proj", "kv_b_proj"),
-                        ("linear_proj", "o_proj")):
-            entries.append(copy(f"{sa}.{meg}.weight", f"{attn}.{hf}.weight"))
-        if cfg.has_own_indexer(i):
-            ix, hix = f"{sa}.core_attention.indexer", f"{attn}.indexer"
-            for meg, hf in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
+def _indexer_entries(cfg: GLM52Config, i: int, sa: str, attn: str) -> list[hf_common.Entry]:
+    """Layer i's DSA indexer (IndexShare layers have none)."""
+    if not cfg.has_own_indexer(i):
+        return []
+    ix, hix = f"{sa}.core_attention.indexer", f"{attn}.indexer"
+    return [hf_common.copy(f"{ix}.{meg}", f"{hix}.{hf}")
+            for meg, hf in (("linear_wq_b.weight", "wq_b.weight"),
+                            ("linear_wk.weight", "wk.weight"),
                             ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
-                            ("linear_weights_proj.weight", "weights_proj.weight")):
-                entries.append(copy(f"{ix}.{meg}", f"{hix}.{hf}"))
-        mlp, hmlp = f"{f}.mlp", f"{h}.mlp"
-        gated = lambda meg, hf: [  # noqa: E731
-            _Entry("cat", (f"{meg}.linear_fc1.weight",), (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")),
-            copy(f"{meg}.linear_fc2.weight", f"{hf}.down_proj.weight")]
-        if not cfg.is_moe_layer(i):
-            entries += gated(mlp, hmlp)
-            continue
-        experts = range(cfg.n_routed_experts)
-        entries += [
-            copy(f"{mlp}.router.weight", f"{hmlp}.gate.weight"),
-            copy(f"{mlp}.router.expert_bias", f"{hmlp}.gate.e_score_correction_bias"),
-            _Entry("stack", tuple(f"{mlp}.experts.local_experts.{e}.linear_fc1.weight" for e in experts),
-                   (f"{hmlp}.experts.gate_up_proj",)),
-            _Entry("stack", tuple(f"{mlp}.experts.local_experts.{e}.linear_fc2.weight" for e in experts),
-                   (f"{hmlp}.experts.down_proj",)),
-            *gated(f"{mlp}.shared_experts", f"{hmlp}.shared_experts"),
-        ]
-    return entries
+                            ("linear_weights_proj.weight", "weights_proj.weight"))]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module  # DDP / Float16Module wrappers
-    return model
-
-
-def _megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters plus the routers' `expert_bias` buffers (the other buffers are statistics)."""
-    model = _unwrap(model)
-    tensors = dict(model.named_parameters())
-    tensors.update((name, buf) for name, buf in model.named_buffers()
-                   if name.endswith("router.expert_bias"))
-    return tensors
-
-
-def _check_names(kind: str, expected: set[str], present: set[str]) -> None:
-    missing, unexpected = sorted(expected - present), sorted(present - expected)
-    if missing or unexpected:
-        raise KeyError(f"{kind} names do not match the GLM-5.2 mapping: missing {len(missing)} "
-                       f"{missing[:20]}; unexpected {len(unexpected)} {unexpected[:20]}.")
+def _mapping(cfg: GLM52Config) -> list[hf_common.Entry]:
+    """Every tensor correspondence of a GLM-5.2 model described by `cfg`: the shared MLA + MoE
+    mapping plus each full layer's indexer."""
+    return hf_common.mla_moe_mapping(cfg, partial(_indexer_entries, cfg))
 
 
 def to_hf_state_dict(model: torch.nn.Module, cfg: GLM52Config) -> dict[str, torch.Tensor]:
-    """transformers `GlmMoeDsaForCausalLM` state dict of our model (no `lm_head.weight` when the
-    embeddings are tied). 1:1 tensors are detached views sharing storage with the model."""
-    meg = _megatron_tensors(model)
-    entries = _mapping(cfg)
-    _check_names("Megatron model", {n for e in entries for n in e.meg}, set(meg))
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        tensors = [meg[n].detach() for n in e.meg]
-        if e.kind == "copy":
-            out[e.hf[0]] = tensors[0]
-        elif e.kind == "cat":
-            gate, up = tensors[0].chunk(2, dim=0)
-            out[e.hf[0]], out[e.hf[1]] = gate, up
-        else:
-            out[e.hf[0]] = torch.stack(tensors)
-    return out
+    """transformers `GlmMoeDsaForCausalLM` state dict of our model (`hf_common.to_hf_state_dict`)."""
+    return hf_common.to_hf_state_dict(model, _mapping(cfg), GLM52Config.FAMILY)
 
 
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module,
                        cfg: GLM52Config) -> None:
-    """Load a transformers `GlmMoeDsaForCausalLM` state dict into our model in place (strict).
-
-    Every Megatron parameter and router `expert_bias` must be covered and every HF key consumed
-    (filter e.g. MTP layers `model.layers.{num_hidden_layers}.*` first); with tied embeddings an
-    `lm_head.weight` equal to the embedding is accepted. Names and shapes are all checked before
-    anything is written. Values are cast to each target tensor's dtype."""
-    hf_sd = dict(hf_sd)
-    entries = _mapping(cfg)
-    if cfg.tie_word_embeddings and "lm_head.weight" in hf_sd:
-        lm_head = hf_sd.pop("lm_head.weight")
-        if not torch.equal(lm_head, hf_sd.get("model.embed_tokens.weight", lm_head)):
-            raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
-                             "model.embed_tokens.weight.")
-    _check_names("HF state dict", {n for e in entries for n in e.hf}, set(hf_sd))
-    meg = _megatron_tensors(model)
-    _check_names("Megatron model", {n for e in entries for n in e.meg}, set(meg))
-    writes: list[tuple[str, torch.Tensor]] = []
-    for e in entries:
-        src = [hf_sd[n] for n in e.hf]
-        if e.kind == "copy":
-            writes.append((e.meg[0], src[0]))
-        elif e.kind == "cat":
-            writes.append((e.meg[0], torch.cat(src, dim=0)))
-        else:
-            if src[0].shape[0] != len(e.meg):
-                raise ValueError(f"{e.hf[0]} has {src[0].shape[0]} experts, the model {len(e.meg)}.")
-            writes += list(zip(e.meg, src[0].unbind(0)))
-    bad = [f"{name}: HF {tuple(v.shape)} vs Megatron {tuple(meg[name].shape)}"
-           for name, v in writes if v.shape != meg[name].shape]
-    if bad:
-        raise ValueError(f"shape mismatch for {len(bad)} tensors: {bad[:20]}.")
-    with torch.no_grad():
-        for name, value in writes:
-            meg[name].copy_(value)
+    """Load a transformers `GlmMoeDsaForCausalLM` state dict into our model in place
+    (`hf_common.from_hf_state_dict`, strict: filter the MTP layers
+    `model.layers.{num_hidden_layers}.*` first)."""
+    hf_common.from_hf_state_dict(hf_sd, model, _mapping(cfg), GLM52Config.FAMILY,
+                                 cfg.tie_word_embeddings)
 
 
 # ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
-# On disk HF keeps routed experts as `mlp.experts.{e}.{gate,up,down}_proj.weight` (transformers
-# stacks them into `gate_up_proj` / `down_proj` when loading); both layouts are read, the on-disk
-# one is written. Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped.
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def expert_slot(stacked: str, expert: int) -> list[str]:
-    """On-disk names of routed expert `expert` inside transformers' stacked tensor `stacked`
-    (`...mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `...down_proj` [E, H, I])."""
-    prefix, kind = stacked.rsplit(".", 1)
-    if kind == "gate_up_proj":
-        return [f"{prefix}.{expert}.gate_proj.weight", f"{prefix}.{expert}.up_proj.weight"]
-    return [f"{prefix}.{expert}.down_proj.weight"]
-
-
-def _text_names(cfg: GLM52Config, names) -> dict[str, str]:
-    """{name in the mapping: on-disk name}, without the MTP layers (index >= num_hidden_layers)."""
-    return {n: n for n in names
-            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers)}
-
-
-def _to_ours(cfg: GLM52Config, entry: _Entry, read, dtype: torch.dtype, available) -> list:
-    if entry.kind == "copy":
-        values = [read(entry.hf[0])]
-    elif entry.kind == "cat":  # dense / shared-expert [gate; up]
-        values = [torch.cat([read(n) for n in entry.hf])]
-    elif entry.hf[0] in available:  # routed experts saved stacked (transformers' in-memory layout)
-        values = list(read(entry.hf[0]).unbind(0))
-    else:                           # routed experts one by one (the layout save_pretrained writes)
-        values = [torch.cat([read(n) for n in expert_slot(entry.hf[0], e)])
-                  for e in range(len(entry.meg))]
-    return list(zip(entry.meg, values))
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _to_hf(cfg: GLM52Config, entry: _Entry) -> list:
-    first, second = (lambda t: t.chunk(2)[0]), (lambda t: t.chunk(2)[1])  # [gate; up] rows
-    if entry.kind == "copy":
-        return [(entry.hf[0], entry.meg[0], _identity)]
-    if entry.kind == "cat":
-        return [(entry.hf[0], entry.meg[0], first), (entry.hf[1], entry.meg[0], second)]
-    plan = []
-    for e, meg in enumerate(entry.meg):
-        parts = expert_slot(entry.hf[0], e)
-        rows = [first, second] if len(parts) == 2 else [_identity]
-        plan += [(hf, meg, row) for hf, row in zip(parts, rows)]
-    return plan
-
+# Both on-disk expert layouts are read, the one save_pretrained writes is written
+# (`hf_common.expert_slot`); multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`)
+# are skipped.
 
 HF_CONVERSION = HFConversion(
     title="GLM-5.2 text model", model_types=("glm_moe_dsa",), hf_config_class="GlmMoeDsaConfig",
     hf_model_class="GlmMoeDsaForCausalLM", config_from_hf=glm52_config_from_hf,
-    hf_config=hf_config, mapping=_mapping, text_config=lambda hf_cfg: dict(hf_cfg),
-    text_names=_text_names, to_ours=_to_ours, to_hf=_to_hf, expert_names=expert_slot,
-    # Megatron keeps the routers' expert_bias in float32 whatever the parameter dtype.
-    float32_names=("router.expert_bias", "e_score_correction_bias"))
+    hf_config=hf_config, mapping=_mapping, text_config=hf_common.text_config,
+    text_names=hf_common.text_names_without_mtp, to_ours=hf_common.to_ours,
+    to_hf=hf_common.to_hf, expert_names=hf_common.expert_slot,
+    float32_names=hf_common.ROUTER_FLOAT32_NAMES)

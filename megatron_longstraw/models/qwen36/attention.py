@@ -73,26 +73,20 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         return self.linear_proj(self._replay(x, state))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
-        """No autograd (capture, or a full forward under no_grad): token blocks in order; a block's
-        queries attend over the K/V rows written so far (a preallocated buffer). Capture appends
-        each block's K/V to the pages. -> (output [s, 1, hidden], None)"""
-        num_tokens = x.shape[0]
-        keys = values = None
-        outputs = []
-        for start in range(0, num_tokens, state.token_block):
-            end = min(start + state.token_block, num_tokens)
-            positions = state.positions[start:end]
-            q, k, v, gate = self._project(x[start:end], positions)
-            if write_pages:
-                self.write_rows(state, KEY, k)
-                self.write_rows(state, VALUE, v)
-            if keys is None:
-                keys = k.new_empty((num_tokens,) + k.shape[1:])
-                values = v.new_empty((num_tokens,) + v.shape[1:])
-            keys[start:end], values[start:end] = k, v
-            out = self._attend(q, keys[:end], values[:end], positions, state.positions[:end], state)
-            outputs.append(self.linear_proj(self._gate(out, gate))[0])
-        return torch.cat(outputs), None
+        """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
+        over the K/V rows; a block's queries attend over the K/V written so far.
+        -> (output [s, 1, hidden], None)"""
+
+        def rows(x_block, positions):
+            q, k, v, gate = self._project(x_block, positions)
+            return (k, v), (q, gate)
+
+        def attend(query_gate, key_value, positions, key_positions):
+            (q, gate), (keys, values) = query_gate, key_value
+            out = self._attend(q, keys, values, positions, key_positions, state)
+            return self.linear_proj(self._gate(out, gate))
+
+        return self.causal_in_order(x, state, (KEY, VALUE), write_pages, rows, attend)
 
     def _full_with_grad(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
         """The whole sequence under autograd (the full-sequence reference). -> [s, 1, heads * d]"""

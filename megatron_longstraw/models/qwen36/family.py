@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_longstraw.models.family import COMMON_FROM_MEGATRON, Family, PlannerEntry, same
+from megatron_longstraw.models.family import (
+    COMMON_FROM_MEGATRON, Family, PlannerEntry, same, selected_kernels_build,
+)
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.hf import HF_CONVERSION
 
@@ -50,14 +52,6 @@ def build_model(cfg: Qwen36Config, params_dtype: torch.dtype = torch.float32, ba
     return build_qwen36_model(cfg, params_dtype=params_dtype, backend=backend, **parallel_overrides)
 
 
-def build(cfg: Qwen36Config, params_dtype: torch.dtype, expert_parallel_size: int = 1):
-    """The launcher's build: the selected dense backend (kernels/select.py); no experts, so no
-    MoE dispatcher."""
-    from megatron_longstraw.kernels import select
-
-    return build_model(cfg, params_dtype, backend=select.dense_spec_provider())
-
-
 def describe(cfg: Qwen36Config) -> str:
     full = cfg.num_full_attention_layers()
     return (f"{cfg.num_hidden_layers} layers: {cfg.num_hidden_layers - full} Gated DeltaNet + "
@@ -72,7 +66,9 @@ def footprint(spec, prompt_len: int):
 
 
 FAMILY = Family(
-    name="qwen36", config_class=Qwen36Config, build=build, build_model=build_model,
+    name="qwen36", config_class=Qwen36Config,
+    # the selected dense backend; no experts, so no MoE dispatcher
+    build=selected_kernels_build(build_model, routed_experts=False), build_model=build_model,
     from_megatron=FROM_MEGATRON,
     max_expert_parallel_size=1, lora_targets=LORA_TARGETS, num_routed_experts=lambda cfg: 1,
     describe=describe, layer_symbols="G*-",

@@ -15,17 +15,20 @@ are not plain copies:
   both sides and copy.
 - The FFN's fused `linear_fc1` is [gate; up] (Megatron's GLU applies the activation to the first
   half), as for GLM-5.2.
-Qwen3.5/3.6 checkpoints are vision-language: `text_state_dict` keeps the text model's tensors
-(`model.language_model.*` -> `model.*`) and drops `model.visual.*` and `mtp.*`.
+The strict drivers and the plain kinds are `models/hf_common.py`'s; the gated qkv and the gated
+norm are Qwen3.6's own kinds ('gated_qkv', 'minus_one'). Qwen3.5/3.6 checkpoints are
+vision-language: `text_state_dict` keeps the text model's tensors (`model.language_model.*` ->
+`model.*`) and drops `model.visual.*` and `mtp.*`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from megatron_longstraw.models import hf_common
 from megatron_longstraw.models.family import HFConversion
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 
@@ -93,55 +96,42 @@ def qwen36_config_from_hf(hf_cfg: "Qwen3_5TextConfig | Mapping[str, Any]") -> Qw
 
 
 # ---- state dicts --------------------------------------------------------------------------------
+# Entries (`hf_common.Entry`) of the shared kinds 'copy' and 'cat', and Qwen3.6's own: 'minus_one':
+# meg[0] == hf[0] - 1 (plain gain -> zero-centred gain); 'gated_qkv': meg[0] is Megatron's grouped
+# [q; gate; k; v] layout of (q_proj, k_proj, v_proj).
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One HF <-> Megatron correspondence. kind 'copy': meg == hf[0]; 'cat': meg == cat(hf) on
-    dim 0; 'minus_one': meg == hf[0] - 1 (plain gain -> zero-centred gain); 'gated_qkv': meg is
-    Megatron's grouped [q; gate; k; v] layout of (q_proj, k_proj, v_proj)."""
-
-    kind: str
-    meg: str
-    hf: tuple[str, ...]
-
-
-def _mapping(cfg: Qwen36Config) -> list[_Entry]:
+def _mapping(cfg: Qwen36Config) -> list[hf_common.Entry]:
     """Every tensor correspondence of a Qwen3.6 model described by `cfg`."""
-    copy = lambda meg, hf: _Entry("copy", meg, (hf,))  # noqa: E731
-    entries = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-               copy("decoder.final_norm.weight", "model.norm.weight")]
-    if not cfg.tie_word_embeddings:
-        entries.append(copy("output_layer.weight", "lm_head.weight"))
+    copy = hf_common.copy
+    entries = hf_common.model_entries(cfg)
     for i in range(cfg.num_hidden_layers):
-        a, f, h = f"decoder.layers.{2 * i}", f"decoder.layers.{2 * i + 1}", f"model.layers.{i}"
+        a, f, h = hf_common.layer_prefixes(i)
         sa = f"{a}.self_attention"
-        entries += [copy(f"{a}.input_layernorm.weight", f"{h}.input_layernorm.weight"),
-                    copy(f"{f}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight"),
-                    _Entry("cat", f"{f}.mlp.linear_fc1.weight",
-                           (f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight")),
-                    copy(f"{f}.mlp.linear_fc2.weight", f"{h}.mlp.down_proj.weight")]
+        entries += hf_common.layer_norm_entries(a, f, h)
+        entries += hf_common.gated_mlp_entries(f"{f}.mlp", f"{h}.mlp")
         if cfg.is_full_attention(i):
             attn = f"{h}.self_attn"
-            entries += [_Entry("gated_qkv", f"{sa}.linear_qkv.weight",
-                               tuple(f"{attn}.{p}_proj.weight" for p in "qkv")),
+            entries += [hf_common.Entry("gated_qkv", (f"{sa}.linear_qkv.weight",),
+                                        tuple(f"{attn}.{p}_proj.weight" for p in "qkv")),
                         copy(f"{sa}.q_layernorm.weight", f"{attn}.q_norm.weight"),
                         copy(f"{sa}.k_layernorm.weight", f"{attn}.k_norm.weight"),
                         copy(f"{sa}.linear_proj.weight", f"{attn}.o_proj.weight")]
         else:
             gdn = f"{h}.linear_attn"
-            entries += [_Entry("cat", f"{sa}.in_proj.weight",
-                               tuple(f"{gdn}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))),
+            in_proj = tuple(f"{gdn}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+            entries += [hf_common.cat(f"{sa}.in_proj.weight", in_proj),
                         copy(f"{sa}.conv1d.weight", f"{gdn}.conv1d.weight"),
                         copy(f"{sa}.A_log", f"{gdn}.A_log"),
                         copy(f"{sa}.dt_bias", f"{gdn}.dt_bias"),
-                        _Entry("minus_one", f"{sa}.out_norm.weight", (f"{gdn}.norm.weight",)),
+                        hf_common.Entry("minus_one", (f"{sa}.out_norm.weight",),
+                                        (f"{gdn}.norm.weight",)),
                         copy(f"{sa}.out_proj.weight", f"{gdn}.out_proj.weight")]
     return entries
 
 
-def _cat_sizes(cfg: Qwen36Config, entry: _Entry) -> list[int]:
-    if entry.meg.endswith("in_proj.weight"):
+def _cat_sizes(cfg: Qwen36Config, entry: hf_common.Entry) -> list[int]:
+    if entry.meg[0].endswith("in_proj.weight"):
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return [2 * key_dim + value_dim, value_dim, cfg.linear_num_value_heads,
@@ -173,19 +163,6 @@ def _qkv_to_hf(cfg: Qwen36Config, linear_qkv) -> tuple[torch.Tensor, torch.Tenso
     return q_proj.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module  # DDP / Float16Module wrappers
-    return model
-
-
-def _check_names(kind: str, expected: set[str], present: set[str]) -> None:
-    missing, unexpected = sorted(expected - present), sorted(present - expected)
-    if missing or unexpected:
-        raise KeyError(f"{kind} names do not match the Qwen3.6 mapping: missing {len(missing)} "
-                       f"{missing[:20]}; unexpected {len(unexpected)} {unexpected[:20]}.")
-
-
 def text_state_dict(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text model's tensors of a Qwen3.5/3.6 checkpoint in `Qwen3_5ForCausalLM` names:
     `model.language_model.*` -> `model.*`; `model.visual.*` and `mtp.*` (multi-token prediction)
@@ -198,24 +175,32 @@ def text_state_dict(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def _qkv_rows(cfg: Qwen36Config) -> tuple[int, int, int]:
+    """Rows of HF's q_proj (per head [q; gate]), k_proj, v_proj."""
+    return (2 * cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim)
+
+
+def _special_to_hf(cfg: Qwen36Config, entry: hf_common.Entry, tensor: torch.Tensor):
+    if entry.kind == "minus_one":
+        return [tensor + 1]
+    return _qkv_to_hf(cfg, tensor)  # gated_qkv
+
+
+def _special_from_hf(cfg: Qwen36Config, entry: hf_common.Entry, src: list[torch.Tensor],
+                     target: torch.Tensor) -> torch.Tensor:
+    if entry.kind == "minus_one":
+        return src[0].to(target.dtype) - 1
+    hf_common.check_rows(entry.hf, src, _qkv_rows(cfg))  # gated_qkv
+    return _qkv_to_megatron(cfg, *src)
+
+
 def to_hf_state_dict(model: torch.nn.Module, cfg: Qwen36Config) -> dict[str, torch.Tensor]:
     """transformers `Qwen3_5ForCausalLM` state dict of our model (no `lm_head.weight` when the
     embeddings are tied). 1:1 tensors are detached views sharing storage with the model."""
-    meg = dict(_unwrap(model).named_parameters())
-    entries = _mapping(cfg)
-    _check_names("Megatron model", {e.meg for e in entries}, set(meg))
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        tensor = meg[e.meg].detach()
-        if e.kind == "copy":
-            out[e.hf[0]] = tensor
-        elif e.kind == "minus_one":
-            out[e.hf[0]] = tensor + 1
-        elif e.kind == "cat":
-            out.update(zip(e.hf, tensor.split(_cat_sizes(cfg, e), dim=0)))
-        else:
-            out.update(zip(e.hf, _qkv_to_hf(cfg, tensor)))
-    return out
+    return hf_common.to_hf_state_dict(model, _mapping(cfg), Qwen36Config.FAMILY,
+                                      split_sizes=partial(_cat_sizes, cfg),
+                                      special=partial(_special_to_hf, cfg))
 
 
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module,
@@ -225,44 +210,9 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module
     `text_state_dict` first). With tied embeddings an `lm_head.weight` equal to the embedding is
     accepted. Names and shapes are all checked before anything is written; values are cast to each
     target tensor's dtype."""
-    hf_sd = dict(hf_sd)
-    entries = _mapping(cfg)
-    if cfg.tie_word_embeddings and "lm_head.weight" in hf_sd:
-        lm_head = hf_sd.pop("lm_head.weight")
-        if not torch.equal(lm_head, hf_sd.get("model.embed_tokens.weight", lm_head)):
-            raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
-                             "model.embed_tokens.weight.")
-    _check_names("HF state dict", {n for e in entries for n in e.hf}, set(hf_sd))
-    meg = dict(_unwrap(model).named_parameters())
-    _check_names("Megatron model", {e.meg for e in entries}, set(meg))
-    writes: list[tuple[str, torch.Tensor]] = []
-    for e in entries:
-        src = [hf_sd[n] for n in e.hf]
-        if e.kind == "copy":
-            writes.append((e.meg, src[0]))
-        elif e.kind == "minus_one":
-            writes.append((e.meg, src[0].to(meg[e.meg].dtype) - 1))
-        elif e.kind == "cat":
-            bad = [f"{n}: {tuple(t.shape)}" for n, t, size in zip(e.hf, src, _cat_sizes(cfg, e))
-                   if t.dim() != 2 or t.shape[0] != size]
-            if bad:
-                raise ValueError(f"shape mismatch for {bad}.")
-            writes.append((e.meg, torch.cat(src, dim=0)))
-        else:
-            rows = (2 * cfg.num_attention_heads * cfg.head_dim,
-                    cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim)
-            bad = [f"{n}: {tuple(t.shape)}" for n, t, size in zip(e.hf, src, rows)
-                   if t.dim() != 2 or t.shape[0] != size]
-            if bad:
-                raise ValueError(f"shape mismatch for {bad}.")
-            writes.append((e.meg, _qkv_to_megatron(cfg, *src)))
-    bad = [f"{name}: HF {tuple(v.shape)} vs Megatron {tuple(meg[name].shape)}"
-           for name, v in writes if v.shape != meg[name].shape]
-    if bad:
-        raise ValueError(f"shape mismatch for {len(bad)} tensors: {bad[:20]}.")
-    with torch.no_grad():
-        for name, value in writes:
-            meg[name].copy_(value)
+    hf_common.from_hf_state_dict(hf_sd, model, _mapping(cfg), Qwen36Config.FAMILY,
+                                 cfg.tie_word_embeddings, split_sizes=partial(_cat_sizes, cfg),
+                                 special=partial(_special_from_hf, cfg))
 
 
 # ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
@@ -284,31 +234,22 @@ def _text_names(cfg: Qwen36Config, names) -> dict[str, str]:
     return text_state_dict({n: n for n in names})
 
 
-def _to_ours(cfg: Qwen36Config, entry: _Entry, read, dtype: torch.dtype, available) -> list:
-    values = [read(n) for n in entry.hf]
-    if entry.kind == "copy":
-        return [(entry.meg, values[0])]
+def _to_ours(cfg: Qwen36Config, entry: hf_common.Entry, read, dtype: torch.dtype,
+             available) -> list:
     if entry.kind == "minus_one":  # plain gain -> zero-centred, in the format's dtype
-        return [(entry.meg, values[0].to(dtype) - 1)]
-    if entry.kind == "cat":
-        return [(entry.meg, torch.cat(values))]
-    return [(entry.meg, _qkv_to_megatron(cfg, *values))]  # gated_qkv
+        return [(entry.meg[0], read(entry.hf[0]).to(dtype) - 1)]
+    if entry.kind == "gated_qkv":
+        return [(entry.meg[0], _qkv_to_megatron(cfg, *[read(n) for n in entry.hf]))]
+    return hf_common.to_ours(cfg, entry, read, dtype, available)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _to_hf(cfg: Qwen36Config, entry: _Entry) -> list:
-    if entry.kind == "copy":
-        return [(entry.hf[0], entry.meg, _identity)]
+def _to_hf(cfg: Qwen36Config, entry: hf_common.Entry) -> list:
     if entry.kind == "minus_one":
-        return [(entry.hf[0], entry.meg, lambda t: t + 1)]
-    if entry.kind == "cat":
-        sizes = _cat_sizes(cfg, entry)
-        return [(hf, entry.meg, lambda t, j=j: t.split(sizes)[j]) for j, hf in enumerate(entry.hf)]
-    return [(hf, entry.meg, lambda t, j=j: _qkv_to_hf(cfg, t)[j])  # gated_qkv
-            for j, hf in enumerate(entry.hf)]
+        return [(entry.hf[0], entry.meg[0], lambda t: t + 1)]
+    if entry.kind == "gated_qkv":
+        return [(hf, entry.meg[0], lambda t, j=j: _qkv_to_hf(cfg, t)[j])
+                for j, hf in enumerate(entry.hf)]
+    return hf_common.to_hf(cfg, entry, _cat_sizes(cfg, entry) if entry.kind == "cat" else None)
 
 
 HF_CONVERSION = HFConversion(
