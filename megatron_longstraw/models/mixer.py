@@ -16,6 +16,9 @@ Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateA
 4. dispatches, once, on the mode to the family's method `forward_<mode>(hidden_states, state)`:
    `forward_full`, `forward_capture`, `forward_score` (default: `forward_replay`, which scoring
    runs without autograd) and `forward_replay`; the prompt backward and decoding will be two more.
+   When the prompt is sharded over CP, `forward_<mode>_sharded` is called instead where the family
+   has one (the attention mixers' `models/context_parallel.py` pattern); a mixer without one
+   handles CP in `forward_<mode>` (GDN's rows <-> heads exchange).
 
 Page reads and writes go through `read_page`, `write_rows`, `write_state`, so the choice between a
 constant prompt state and a differentiable one (`PageStore.leaf`, the exact prompt-gradient hook)
@@ -60,19 +63,25 @@ class StateAwareMixer:
                 "rank would treat its shard as a whole sequence): run it through LongStraw "
                 "capture and replay (schedule.forward_backward_longstraw / replay.score_member), "
                 "or build it with CP 1.")
-        handler = getattr(self, f"forward_{state.mode}", None)
-        if handler is None:
-            raise ValueError(f"{name} has no {state.mode!r} mode.")
-        return handler(hidden_states, state)
+        return self._handler(state)(hidden_states, state)
+
+    def _handler(self, state: AttentionPass):
+        """`forward_<mode>_sharded` when the prompt is sharded over CP and the family has one,
+        else `forward_<mode>` (a mixer whose CP is not the attention pattern, e.g. GDN's
+        rows <-> heads exchange, handles it there); `score` falls back to `replay`."""
+        modes = (state.mode, "replay") if state.mode == "score" else (state.mode,)
+        for mode in modes:
+            for name in ((f"forward_{mode}_sharded",) if state.cp.size > 1 else ()) + (
+                    f"forward_{mode}",):
+                handler = getattr(self, name, None)
+                if handler is not None:
+                    return handler
+        raise ValueError(f"{type(self).__name__} has no {state.mode!r} mode.")
 
     def plain_pass(self, hidden_states: torch.Tensor) -> AttentionPass:
         """The pass of a plain Megatron forward: the current tokens are one sequence from 0."""
         positions = torch.arange(hidden_states.shape[0], device=hidden_states.device)
         return AttentionPass(mode="full", positions=positions)
-
-    def forward_score(self, hidden_states: torch.Tensor, state: AttentionPass):
-        """Pre-step scoring: the replay computation without autograd."""
-        return self.forward_replay(hidden_states, state)
 
     # ---- pages ------------------------------------------------------------------------------
 

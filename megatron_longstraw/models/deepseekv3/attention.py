@@ -63,14 +63,10 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard): its latent rows become pages."""
-        if state.cp.size > 1:
-            return self._capture_context_parallel(x, state)
         return self._causal_in_order(x, state, write_pages=True)
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows."""
-        if state.cp.size > 1:
-            return self._project_out(self._replay_context_parallel(x, state))
         latents = self._latent_rows(x, state.positions)
         key_positions = state.positions
         if state.prefix_len > 0:
@@ -89,7 +85,10 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
             attend=lambda x_block, latents, positions, key_positions: self._project_out(
                 self._attend(x_block, positions, latents[0], key_positions, state)))
 
-    def _capture_context_parallel(self, x: torch.Tensor, state: AttentionPass):
+    def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
+        return self._project_out(self._replay_context_parallel(x, state))
+
+    def forward_capture_sharded(self, x: torch.Tensor, state: AttentionPass):
         """Capture of this rank's load-balanced prompt shard: its latent rows become its pages;
         its queries attend every rank's shard in turn (`context_parallel.ring_attention`).
         Queries are recomputed per query block for each shard (a few % of the attention's work)

@@ -92,8 +92,6 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows."""
-        if state.cp.size > 1:
-            return self._project_out(self._replay_context_parallel(x, state))
         latents, index_keys = self._token_rows(x, state)
         positions = state.positions
         if state.prefix_len > 0:
@@ -121,6 +119,9 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                 query, key_latents, selection, self.softmax_scale, self.config.kv_lora_rank)
             outputs.append(self._up_project_values(out_latent))
         return torch.cat(outputs)
+
+    def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
+        return self._project_out(self._replay_context_parallel(x, state))
 
     def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
         """A branch pass with the prompt sharded over CP (`models/context_parallel.py`): this rank

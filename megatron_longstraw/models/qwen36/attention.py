@@ -63,13 +63,9 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         return self.linear_proj(self._full_with_grad(x, state))
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
-        if state.cp.size > 1:
-            return self._capture_context_parallel(x, state)
         return self._causal_in_order(x, state, write_pages=True)
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        if state.cp.size > 1:
-            return self.linear_proj(self._replay_context_parallel(x, state))
         return self.linear_proj(self._replay(x, state))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
@@ -104,7 +100,10 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
                                        state.positions])
         return self._gate(self._attend(q, keys, values, state.positions, key_positions, state), gate)
 
-    def _capture_context_parallel(self, x: torch.Tensor, state: AttentionPass):
+    def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
+        return self.linear_proj(self._replay_context_parallel(x, state))
+
+    def forward_capture_sharded(self, x: torch.Tensor, state: AttentionPass):
         """Capture of this rank's load-balanced prompt shard. Its K/V rows become its pages; its
         queries attend every rank's K/V shard in turn (`context_parallel.ring_attention`: never
         more than one shard of keys, O(P / CP)). -> (output [n, 1, hidden], None)"""
