@@ -12,6 +12,9 @@ run. This module is the one place that says which exceptions those are (`is_user
       CheckpointError       a checkpoint or model-format directory that does not fit the run, or
                             cannot be read
       data.DataError        a line of a JSONL data file (file, line, field)
+      NonFiniteError        a step whose loss or gradient is NaN / inf, with
+                            --check-for-nan-in-loss-and-grad (Megatron's default): the step and
+                            the group, the weights untouched, the last checkpoint intact
 
 `configuration()` marks the validation phase of an entry point (parsing and resolving flags, YAML
 and model configs, where every ValueError is about what the user gave): a plain ValueError raised
@@ -64,6 +67,10 @@ class InputNotFound(UserError, FileNotFoundError):
 class CheckpointError(UserError, ValueError):
     """A checkpoint or model-format directory that does not fit this run (another model config,
     family, layout, adapters, base) or cannot be read."""
+
+
+class NonFiniteError(UserError, FloatingPointError):
+    """A non-finite loss or gradient stopped the run before the optimizer stepped (train.py)."""
 
 
 class PeerFailure(RuntimeError):

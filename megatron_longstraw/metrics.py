@@ -47,8 +47,9 @@ def configure_logging(rank: int | None = None, world_size: int | None = None) ->
 class ProgressBar:
     """A plain progress bar on stderr (no dependency), for capture's layer loop on rank 0."""
 
-    def __init__(self, label: str, width: int = 30, stream=sys.stderr):
-        self.label, self.width, self.stream = label, width, stream
+    def __init__(self, label: str, width: int = 30, stream=None):
+        self.label, self.width = label, width
+        self.stream = stream if stream is not None else sys.stderr   # the current one
         self.start = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
@@ -91,6 +92,10 @@ class StepLogger:
                 f" | capture {result.phase_seconds['capture']:.1f}s scoring "
                 f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
                 f" | pages {human_bytes(result.page_bytes)}")
+        if "optimizer/lr" in extra:
+            line += f" | lr {float(extra['optimizer/lr']):.3e}"
+        if "skipped_steps" in extra:
+            line += f" | skipped_steps {int(extra['skipped_steps'])}"
         if self.enabled:
             print(line, flush=True)
             if self.writer is not None:

@@ -497,3 +497,16 @@ def sum_grads(params: list[torch.nn.Parameter], group) -> None:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+
+def any_rank(flags: list[bool]) -> list[bool]:
+    """Each of `flags`, true where it is true on any rank of the world (one MAX all-reduce; the
+    flags themselves without a process group). Every rank calls it with the same number of
+    flags."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [bool(f) for f in flags]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]

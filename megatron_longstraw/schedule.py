@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron_longstraw.capture import capture_prompt
 from megatron_longstraw.config import LongStrawConfig
@@ -25,7 +27,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
     validate_group,
 )
 from megatron_longstraw.kernels import select
-from megatron_longstraw.parallel import CPLayout, check_agreement, fail_together
+from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
 from megatron_longstraw.replay import replay_member, score_member
 
 
@@ -51,6 +53,11 @@ class StepResult:
     state); every other kind holds rows per prompt token."""
     selections: list[dict[int, torch.Tensor]] = field(default_factory=list)
     """Per member: each full indexer layer's top-k (global key positions) from scoring."""
+    skipped: bool = False
+    """train_step: the loss or the gradient was NaN / inf on some rank, so the optimizer did not
+    step (gradients dropped, weights and optimizer state untouched)."""
+    nonfinite_loss_ranks: list[int] = field(default_factory=list)
+    """When skipped: the ranks whose group's loss was not finite (empty: only the gradient)."""
 
 
 def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
@@ -204,7 +211,9 @@ def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_mod
                max_grad_norm: float | None = None, loss_scale: float = 1.0,
                progress=None) -> StepResult:
     """One GRPO update: zero grads, forward_backward_longstraw, the corrected finalisation
-    (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer step."""
+    (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer step; or no
+    step when the loss or the gradient is not finite on some rank (`result.skipped`: the caller
+    stops or counts it, --check-for-nan-in-loss-and-grad)."""
     from megatron_longstraw.finalize import clip_grads, finalize_longstraw_grads, grad_norm
 
     optimizer.zero_grad(set_to_none=True)
@@ -213,5 +222,18 @@ def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_mod
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
                                  else grad_norm(model))
+    # A NaN / inf anywhere never reaches the weights: every rank agrees and none steps.
+    loss_bad = not math.isfinite(result.loss)
+    any_loss_bad, grad_bad = any_rank([loss_bad, not math.isfinite(result.stats["grad_norm"])])
+    if any_loss_bad or grad_bad:
+        optimizer.zero_grad(set_to_none=True)
+        result.skipped = True
+        if any_loss_bad and dist.is_initialized() and dist.get_world_size() > 1:
+            flags = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, loss_bad)
+            result.nonfinite_loss_ranks = [r for r, bad in enumerate(flags) if bad]
+        elif any_loss_bad:
+            result.nonfinite_loss_ranks = [0]
+        return result
     optimizer.step()
     return result

@@ -12,6 +12,13 @@ written by tools/convert_hf.py (initial weights only; the run starts at step 0).
 while `--load` names the run's own checkpoints: the first run (no checkpoint there yet) starts
 from the former, later runs resume from the latter.
 
+Megatron's operational flags: the LR / weight-decay schedule (lr_schedule.py: Megatron-Core's
+OptimizerParamScheduler, stepped after each applied optimizer step, saved and restored with the
+checkpoint); a NaN / inf loss or gradient (schedule.train_step skips the update; `nonfinite_step`
+stops the run under --check-for-nan-in-loss-and-grad, else it is counted as skipped_steps); the
+exit conditions (exit_conditions.py: signals, --exit-duration-in-mins, --exit-interval: save,
+return, exit 0).
+
 LoRA / QLoRA (`--longstraw-lora`, `--longstraw-qlora`, `--longstraw-lora-*`; adapters.py): the
 model is built, its initial weights loaded, then the targeted linears are wrapped (base frozen,
 in NF4 with QLoRA) before the optimizer exists, so the optimizer holds the adapters only; the
@@ -35,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_longstraw import arguments, errors
+from megatron_longstraw import arguments, errors, lr_schedule
 from megatron_longstraw.arguments import (
     LoRASettings,
     explicit_flags,
@@ -44,6 +51,7 @@ from megatron_longstraw.arguments import (
     model_config_values,
 )
 from megatron_longstraw.errors import CheckpointError, ConfigError, FlagError
+from megatron_longstraw.exit_conditions import ExitConditions
 from megatron_longstraw.families import check_parallel_sizes, get_family
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -143,6 +151,8 @@ class Setup:
     """What every checkpoint of this run records in meta.json: family, initial weights, LoRA."""
     messages: list[str]
     """What happened (printed by rank 0)."""
+    resumed: dict | None = None
+    """The resumed checkpoint's `extra` (this rank's: the LR scheduler state), None at step 0."""
 
 
 def _starting_points(args) -> tuple[str | None, Path | None]:
@@ -217,12 +227,13 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
         params, lr=args.lr if args.lr is not None else 1e-6,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         weight_decay=args.weight_decay)
-    first_step = 0
+    first_step, resumed = 0, None
     if resume is not None:
-        first_step, _ = checkpoint.load_checkpoint(resume, model, optimizer)
+        first_step, resumed = checkpoint.load_checkpoint(resume, model, optimizer)
         messages.append(f"resumed from {resume} at step {first_step}")
     ref_model = adapters.reference_view(model) if lora is not None and ls.kl_coef > 0 else None
-    return Setup(model, optimizer, ref_model, first_step, lora, meta, messages)
+    return Setup(model, optimizer, ref_model, first_step, lora, meta, messages,
+                 resumed=resumed if resume is not None else None)
 
 
 def read_data(args, model_cfg, ls) -> list | None:
@@ -251,6 +262,7 @@ def read_data(args, model_cfg, ls) -> list | None:
                                 f"--longstraw-max-response-len {ls.max_response_len} (YAML "
                                 "longstraw.max_response_len); raise the limit or drop the "
                                 "member.")
+        group.source = f"{path} line {record.line}"   # named by a non-finite step's error
         groups.append(group)
     if not groups:
         raise DataError(path, None, None, "holds no groups (every line is blank); give one JSON "
@@ -275,6 +287,50 @@ def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int, groups: list | None
             for step in itertools.count())
 
 
+def _group_name(group, step: int, dp_rank: int) -> str:
+    source = getattr(group, "source", None) or f"the synthetic group of step {step}"
+    return (f"{source} (data-parallel replica {dp_rank}, prompt {int(group.prompt_ids.numel())} "
+            f"tokens, rewards {[round(float(r), 4) for r in group.rewards]})")
+
+
+def nonfinite_step(args, step: int, result, group, dp_rank: int) -> None:
+    """A step the optimizer skipped (schedule.train_step: NaN / inf loss or gradient). With
+    --check-for-nan-in-loss-and-grad (Megatron's default) the run stops: a NonFiniteError naming
+    the step and the group(s), on every rank; without it the caller counts the skipped step.
+    Collective (every rank, same step)."""
+    from megatron_longstraw.errors import NonFiniteError
+
+    if not args.check_for_nan_in_loss_and_grad:
+        return
+    names = [_group_name(group, step, dp_rank)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, _group_name(group, step, dp_rank))
+    if result.nonfinite_loss_ranks:
+        what = f"the loss is {result.loss} for " + "; ".join(
+            dict.fromkeys(names[r] for r in result.nonfinite_loss_ranks))
+    else:
+        what = (f"the gradient norm is {result.stats['grad_norm']} (the loss is finite) for "
+                + "; ".join(dict.fromkeys(names)))
+    last = (f"the last checkpoint in {args.save} is intact" if args.save
+            else "nothing was saved (no --save)")
+    raise NonFiniteError(
+        f"step {step}: {what}; the optimizer did not step and {last}. Check the group's rewards "
+        "and the learning rate, or pass --no-check-for-nan-in-loss-and-grad to skip such steps "
+        "(counted as skipped_steps).")
+
+
+def check_finite_weights(model, step: int) -> None:
+    """Refuse to save weights that are NaN / inf on any rank (never written to a checkpoint)."""
+    from megatron_longstraw.errors import NonFiniteError
+    from megatron_longstraw.parallel import any_rank
+
+    local = any(not torch.isfinite(p).all() for p in model.parameters() if p.requires_grad)
+    if any_rank([local])[0]:
+        raise NonFiniteError(f"step {step}: the weights are not finite; no checkpoint was written "
+                             "and the last one is intact.")
+
+
 def cli(argv: list[str] | None = None) -> dict:
     """`examples/pretrain_gpt.py`: `main`, with user errors (errors.py: bad flags, configs, data,
     missing inputs, checkpoints that do not fit) reported as one line by rank 0, exit code 2."""
@@ -289,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
         family, model_cfg, ls, dtype = resolve(args, given)
         lora, ls = resolve_lora(args, family, ls)
         check_outputs(args, lora)
+        total_iters = args.train_iters or 1
+        lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
+                                    total_iters)   # the schedule's flags, checked before any work
 
     from megatron_longstraw.metrics import ProgressBar, StepLogger, configure_logging
 
@@ -324,26 +383,55 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(first_step):
         next(groups)  # the data position of an uninterrupted run
     logger = StepLogger(args.tensorboard_dir, enabled=rank == 0)
-    total_iters = args.train_iters or 1
-    result, meter = None, None
-    for step in range(first_step, total_iters):
-        group = next(groups)
-        bar = ProgressBar(f"step {step} capture") if rank == 0 else None
-        with SavedTensorMeter(model) as meter:
-            # 1/DP: one optimizer step averages the DP replicas' groups (finalize.py sums).
-            result = train_step(model, optimizer, group, ls, ref_model=run.ref_model,
-                                max_grad_norm=args.clip_grad, loss_scale=1.0 / dp_size,
-                                progress=bar)
-        memory = step_memory(meter.peak_bytes, result.page_bytes)
-        logger.log(step, result, memory)
-        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            from megatron_longstraw.checkpoint import save_checkpoint
+    scheduler = lr_schedule.build_scheduler(args, optimizer, total_iters)
+    if run.resumed is not None:
+        lr_schedule.restore(scheduler, run.resumed, first_step)
+    result, meter, stopped = None, None, None
+    skipped = int((run.resumed or {}).get("skipped_steps", 0))
 
-            save_checkpoint(args.save, model, optimizer, step + 1,
-                            extra={"family": family, "model": model_cfg.to_dict()},
-                            meta_extra=run.meta)
+    def save(steps_done: int) -> Path:
+        from megatron_longstraw.checkpoint import save_checkpoint
+
+        check_finite_weights(model, steps_done - 1)
+        return save_checkpoint(args.save, model, optimizer, steps_done,
+                               extra={"family": family, "model": model_cfg.to_dict(),
+                                      lr_schedule.STATE_KEY: scheduler.state_dict(),
+                                      "skipped_steps": skipped},
+                               meta_extra=run.meta)
+
+    steps_done = first_step
+    # --exit-signal-handler, --exit-duration-in-mins, --exit-interval (exit_conditions.py)
+    with ExitConditions(args, start) as exits:
+        for step in range(first_step, total_iters):
+            group = next(groups)
+            bar = ProgressBar(f"step {step} capture") if rank == 0 else None
+            lr = lr_schedule.current_lr(optimizer)
+            with SavedTensorMeter(model) as meter:
+                # 1/DP: one optimizer step averages the DP replicas' groups (finalize.py sums).
+                result = train_step(model, optimizer, group, ls, ref_model=run.ref_model,
+                                    max_grad_norm=args.clip_grad, loss_scale=1.0 / dp_size,
+                                    progress=bar)
+            if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
+                nonfinite_step(args, step, result, group, dp_rank)
+                skipped += 1
+            else:
+                scheduler.step(1)
+            memory = step_memory(meter.peak_bytes, result.page_bytes)
+            logger.log(step, result, {**memory, "optimizer/lr": lr, "skipped_steps": skipped})
+            steps_done = step + 1
+            stopped = exits.check(steps_done) if steps_done < total_iters else None
+            saved = None
+            interval = args.save_interval and steps_done % args.save_interval == 0
+            if args.save and (stopped or interval):
+                saved = save(steps_done)
+            if stopped:
+                if rank == 0:
+                    print(f"exiting after step {step}: {stopped}; "
+                          + (f"checkpoint {saved}" if saved else "no checkpoint (no --save)"),
+                          flush=True)
+                break
     logger.close()
-    if args.longstraw_save_merged:
+    if args.longstraw_save_merged and not stopped:
         from megatron_longstraw.model_format import save_model
 
         save_model(args.longstraw_save_merged, model, family=family, merge_adapters=True,
@@ -357,7 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
         result=result, memory=memory, params=params, meta=run.meta,
         sizes={"world_size": world, "context_parallel_size": cp, "expert_parallel_size": ep,
                "data_parallel_size": dp_size},
-        dtype=dtype, steps=total_iters, start=start)
+        dtype=dtype, steps=steps_done, start=start)
+    receipt["skipped_steps"] = skipped
     if rank != 0:
         return receipt
     path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",

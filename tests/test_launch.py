@@ -265,10 +265,12 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     trained = SafetensorsReader([saved / "model.safetensors"])
     assert set(trained) == set(weights)
     assert all(torch.equal(trained[n], weights[n]) for n in weights)
-    # Resuming from it runs the second step only.
+    # Resuming from it runs the second step only. Another --lr / --train-iters changes the LR
+    # schedule the checkpoint saved: as in Megatron, a flag says which one wins.
     stdout, receipt = _launch(tmp_path, "--longstraw-family", "qwen36", "--longstraw-config",
                               TINY_QWEN, "--longstraw-synthetic-prompt-len", "300",
-                              "--load", str(tmp_path / "ckpt"), "--train-iters", "2")
+                              "--load", str(tmp_path / "ckpt"), "--train-iters", "2",
+                              "--override-opt_param-scheduler")
     assert f"resumed from {saved} at step 1" in stdout
     assert re.search(r"step\s+1 \| loss", stdout) and not re.search(r"step\s+0 \| loss", stdout)
 

@@ -201,7 +201,9 @@ def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
 
     # Resume: the same adapters, optimizer state and base, then one more step.
     capsys.readouterr()
-    receipt = train.main(_flags(tmp_path, *flags, "--load", str(ckpt), "--train-iters", "3"))
+    # (another --train-iters changes the saved LR schedule: as in Megatron, a flag says who wins)
+    receipt = train.main(_flags(tmp_path, *flags, "--load", str(ckpt), "--train-iters", "3",
+                                "--override-opt_param-scheduler"))
     resumed, at_start = runs[1]
     out = capsys.readouterr().out
     assert f"resumed from {saved} at step 2" in out
