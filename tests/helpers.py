@@ -63,6 +63,23 @@ def build_tiny_qwen(dtype=torch.float64, seed: int = 0):
     return cfg, model
 
 
+def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[dict]]:
+    """Pre-step scoring of every member over `captured` against a plain full-sequence forward of
+    [prompt; response] (no autograd): (max |d logp| over all members and tokens, the selections
+    each member's scoring returned)."""
+    from megatron_longstraw.replay import score_member
+
+    worst, selections = 0.0, []
+    with torch.no_grad():
+        for response in group.response_ids:
+            logp, used = score_member(model, captured, response, ls)
+            ref = full_sequence_logprobs(model, group.prompt_ids, response)
+            assert logp.shape == ref.shape
+            worst = max(worst, (logp - ref).abs().max().item())
+            selections.append(used)
+    return worst, selections
+
+
 def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor,
                            detach_prompt_state: bool = False) -> torch.Tensor:
     """Log-probs [R] of `response` after `prompt` from one plain Megatron forward of the whole
