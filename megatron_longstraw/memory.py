@@ -1,11 +1,25 @@
-"""Memory accounting that does not depend on the allocator: bytes held by autograd (saved tensors),
-and peak resident set size of the process (reported beside it, since glibc fragmentation inflates RSS
-on CPU; `MALLOC_MMAP_THRESHOLD_=1048576` removes most of that drift)."""
+"""Memory accounting, three ways, each answering a different question.
+
+* `SavedTensorMeter` counts the bytes autograd saves for backward (saved_tensors_hooks). It is
+  independent of the allocator and cheap, but sees only saved tensors, and nothing inside a
+  `checkpoint(use_reentrant=False)` frame: only the innermost saved_tensors_hooks run there.
+* `LiveBytesMeter` counts every tensor allocation and free on one device, from the allocator: the
+  peak of live tensor bytes, per named phase, including recomputation inside checkpoint frames and
+  temporaries that autograd never saves. Exact on CPU (torch.profiler's memory events) and on CUDA
+  (the caching allocator's counters); use it for receipts of what a phase held.
+* `peak_rss_bytes` / `current_rss_bytes`: resident set size of the process, reported beside them,
+  since glibc fragmentation inflates RSS on CPU (`MALLOC_MMAP_THRESHOLD_=1048576` removes most of
+  that drift).
+"""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import dataclasses
 import resource
 import sys
+from typing import ClassVar, Iterator
 
 import torch
 
@@ -27,7 +41,9 @@ class SavedTensorMeter:
 
     Parameters (and views of them) are not counted: they are weights, not activations. Each saved
     tensor is counted by its own bytes when packed and released when autograd frees it, so the peak
-    is the largest set of activation bytes the graph held at once.
+    is the largest set of activation bytes the graph held at once. Tensors saved inside a
+    `checkpoint(use_reentrant=False)` region, and their recomputation in backward, are not seen (the
+    checkpoint's own hooks take them); `LiveBytesMeter` sees them.
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
@@ -55,6 +71,213 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+@dataclasses.dataclass
+class PhasePeak:
+    """Live bytes over one `LiveBytesMeter.phase`, all measured from the meter's baseline at entry."""
+
+    name: str
+    start_bytes: int
+    """Live bytes when the phase began (what earlier phases still hold)."""
+    peak_bytes: int
+    """The most live bytes at any moment inside the phase; `peak_bytes - start_bytes` is the phase's own."""
+    end_bytes: int
+    """Live bytes when the phase ended."""
+
+
+class LiveBytesMeter:
+    """Peak of live tensor bytes on one device while active, from the allocator, with named phases.
+
+        with LiveBytesMeter() as meter:
+            with meter.phase("replay"): ...
+            with meter.phase("prompt_backward"): ...
+        meter.peak_bytes, meter.phase_peaks["replay"], meter.end_bytes
+
+    Every figure is live bytes relative to the baseline at entry: bytes allocated while the meter
+    is active minus bytes freed while it is active, so 0 means "no more than at entry". `peak_bytes`
+    is its maximum over time, `end_bytes` its value at exit (> 0: tensors made inside outlived the
+    block). The results are filled in on exit.
+
+    CPU (exact, byte for byte): torch.profiler's memory events, one per allocation and free with its
+    requested size and pointer, in order (the event tree torch's own memory timeline reads; only
+    user-scope ops are recorded, so ops cost nothing extra; each allocation or free costs about
+    10 us of processing on exit). The CPU allocator does not know the size of a block made
+    before the meter started, so freeing such a block inside is not seen: on CPU the figure is the
+    live bytes of blocks allocated since entry, never below 0. Allocations on other Python threads
+    are not seen (the profiler reports memory per thread). Cannot run under another profiler.
+
+    CUDA: `memory_allocated` and `max_memory_allocated`, exact for the blocks the caching allocator
+    hands out: a request rounded up to 512 B, and a large request served from a cached block may take
+    up to 1 MiB more (a remainder too small to split off). Frees of blocks made before entry count, so
+    figures can go below 0; the two devices agree when nothing made before entry is freed inside.
+    The meter resets the device's peak counters (`reset_peak_memory_stats`) at entry and at each
+    phase boundary.
+
+    Phases may be sequential, repeated (`phase_peaks` keeps the largest peak of a name) or nested
+    (an outer phase's peak includes its inner phases'). One meter is active at a time: the device's
+    peak counter, and on CPU the profiler, are process-wide.
+    """
+
+    _active: ClassVar["LiveBytesMeter | None"] = None
+
+    def __init__(self, device: torch.device | str | None = None):
+        """`device`: whose allocator to read; default CUDA's current device if available, else CPU."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"LiveBytesMeter reads the CPU or the CUDA allocator, not {self.device.type}")
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self.phases: list[PhasePeak] = []
+        self._source: _CpuAllocationEvents | _CudaCounters | None = None
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak live bytes of each phase name (from the meter's baseline), the largest if repeated."""
+        peaks: dict[str, int] = {}
+        for phase in self.phases:
+            peaks[phase.name] = max(peaks.get(phase.name, phase.peak_bytes), phase.peak_bytes)
+        return peaks
+
+    def __enter__(self) -> "LiveBytesMeter":
+        if LiveBytesMeter._active is not None:
+            raise RuntimeError("a LiveBytesMeter is already active: meters do not nest (the peak "
+                               "counter is process-wide); use meter.phase(name) for a sub-range")
+        self.peak_bytes, self.end_bytes, self.phases = 0, 0, []
+        self._source = _CudaCounters(self.device) if self.device.type == "cuda" else _CpuAllocationEvents()
+        self._source.start()
+        LiveBytesMeter._active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        LiveBytesMeter._active = None
+        self.peak_bytes, self.end_bytes, self.phases = self._source.stop()
+        self._source = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute the live bytes inside this block to `name` (see `phases`, `phase_peaks`)."""
+        if LiveBytesMeter._active is not self:
+            raise RuntimeError(f"phase({name!r}) outside its LiveBytesMeter's `with` block")
+        with self._source.phase(name):
+            yield
+
+
+class _CpuAllocationEvents:
+    """CPU allocations and frees from the profiler's memory events; phases are user-scope ranges."""
+
+    _MARKER = "LiveBytesMeter.phase#"
+
+    def start(self) -> None:
+        # torch's private profiler entry points, the ones torch.profiler.profile calls: the public
+        # class cannot restrict the recorded scopes. Imported here so that a torch which moves them
+        # breaks this meter only, not the module's other meters.
+        from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
+        from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
+                                        _ExperimentalConfig)
+        if _profiler_enabled():
+            raise RuntimeError("LiveBytesMeter on CPU reads the profiler's memory events and cannot run "
+                               "while another torch profiler is active")
+        self._disable = _disable_profiler
+        self.phase_names: list[str] = []
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        _prepare_profiler(config, {ProfilerActivity.CPU})
+        # Only user-scope ranges (the phase markers) are recorded beside the memory events: aten
+        # ops are not, which keeps the overhead to the allocations themselves.
+        _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.phase_names.append(name)
+        with torch.profiler.record_function(f"{self._MARKER}{len(self.phase_names) - 1}"):
+            yield
+
+    def stop(self) -> tuple[int, int, list[PhasePeak]]:
+        events, spans = self._read_events()
+        times, live_after = [], []                         # live bytes after each event
+        live, block_bytes = 0, {}                          # ptr -> bytes, of blocks allocated since entry
+        for time_ns, ptr, nbytes in events:
+            if nbytes > 0:
+                block_bytes[ptr] = nbytes
+                live += nbytes
+            elif ptr in block_bytes:                       # else a block from before entry: skipped
+                live -= block_bytes.pop(ptr)
+            times.append(time_ns)
+            live_after.append(live)
+
+        phases = []
+        for idx, name in enumerate(self.phase_names):
+            start_ns, end_ns = spans[idx]
+            first = bisect.bisect_left(times, start_ns)
+            start_bytes = live_after[first - 1] if first else 0
+            inside = live_after[first:bisect.bisect_right(times, end_ns)]
+            end_bytes = inside[-1] if inside else start_bytes
+            phases.append(PhasePeak(name, start_bytes, max([start_bytes, *inside]), end_bytes))
+        return max([0, *live_after]), live, phases
+
+    def _read_events(self) -> tuple[list[tuple[int, int, int]], dict[int, tuple[int, int]]]:
+        """Stop the profiler; (time_ns, ptr, signed bytes) of each CPU allocation and free in time
+        order, and (start_ns, end_ns) of each phase by index."""
+        from torch._C._profiler import _EventType
+        events, spans = [], {}
+        stack = list(reversed(self._disable().experimental_event_tree()))
+        while stack:                                       # pre-order: ties keep the recorded order
+            node = stack.pop()
+            tag, fields = node.typed
+            if tag == _EventType.Allocation:
+                if fields.device.type == "cpu":
+                    events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+                continue
+            if node.name.startswith(self._MARKER):
+                spans[int(node.name[len(self._MARKER):])] = (node.start_time_ns, node.end_time_ns)
+            stack.extend(reversed(node.children))
+        events.sort(key=lambda event: event[0])
+        return events, spans
+
+
+class _CudaCounters:
+    """The CUDA caching allocator's counters; a phase boundary folds the running peak into every
+    phase still open, then resets it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start(self) -> None:
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = 0
+        self.phases: list[PhasePeak] = []
+        self.open: list[PhasePeak] = []
+
+    def _now(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.base
+
+    def _fold_peak(self) -> None:
+        high = torch.cuda.max_memory_allocated(self.device) - self.base
+        self.peak = max(self.peak, high)
+        for phase in self.open:
+            phase.peak_bytes = max(phase.peak_bytes, high)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._fold_peak()
+        now = self._now()
+        phase = PhasePeak(name, now, now, now)
+        self.phases.append(phase)
+        self.open.append(phase)
+        try:
+            yield
+        finally:
+            self._fold_peak()
+            phase.end_bytes = self._now()
+            self.open.remove(phase)
+
+    def stop(self) -> tuple[int, int, list[PhasePeak]]:
+        self._fold_peak()
+        return self.peak, self._now(), self.phases
 
 
 def peak_rss_bytes() -> int:
