@@ -82,6 +82,14 @@ def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("longstraw: data and outputs")
     group.add_argument("--longstraw-data", type=str, default=None,
                        help="JSONL of GRPO groups (one per line; see examples/data/README.md).")
+    group.add_argument("--longstraw-data-shuffle", action=argparse.BooleanOptionalAction,
+                       default=True, help="Visit --longstraw-data in a new seeded order each "
+                                          "epoch (--seed); --no-longstraw-data-shuffle keeps "
+                                          "the file's order.")
+    group.add_argument("--longstraw-eval-data", type=str, default=None,
+                       help="JSONL of held-out groups, scored every --eval-interval steps and "
+                            "after the last one with the first --eval-iters groups (log-probs of "
+                            "their responses; rewards optional).")
     group.add_argument("--longstraw-tokenizer", type=str, default=None,
                        help="Local tokenizer (tokenizer.json or a directory) for text prompts.")
     group.add_argument("--longstraw-synthetic-prompt-len", type=int, default=None,

@@ -135,19 +135,46 @@ def read_records(path: str | os.PathLike, tokenizer=None, vocab_size: int | None
         raise DataError(path, None, None, "no such file; pass the path of a JSONL file with one "
                                           "GRPO group per line.")
     tokenizer = _as_tokenizer(tokenizer)
+    for line_no, _, raw in nonblank_lines(path):
+        yield parse_line(path, line_no, raw, tokenizer, vocab_size, require_rewards)
+
+
+def nonblank_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(1-based line number, byte offset, bytes) of every non-blank line."""
     with path.open("rb") as lines:   # bytes: a line that is not UTF-8 is reported with its number
+        offset = 0
         for line_no, raw in enumerate(lines, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(path, line_no, None, f"not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                                f"at column {exc.start + 1}: {exc.reason}); was the file cut off "
-                                "or written in another encoding?") from None
-            if text.strip():
-                yield _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards)
+            if raw.strip():
+                yield line_no, offset, raw
+            offset += len(raw)
 
 
-def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards) -> GroupRecord:
+def read_line(path: str | os.PathLike, offset: int) -> bytes:
+    """The line that starts at byte `offset` of `path` (as `nonblank_lines` gives it)."""
+    with Path(path).open("rb") as f:
+        f.seek(offset)
+        return f.readline()
+
+
+def parse_line(path, line_no: int, raw: bytes, tokenizer=None, vocab_size: int | None = None,
+               require_rewards: bool = True, load_prompt_file: bool = True) -> GroupRecord:
+    """One JSONL line (bytes) as a `GroupRecord`, every field checked (DataError). With
+    `load_prompt_file=False` a `prompt_file` is checked from its header and size only (exists,
+    format, at least one id: a cheap check of a dataset of million-token prompts) and the
+    record's prompt is an empty placeholder; its ids are checked when the line is parsed again
+    with the file loaded."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(path, line_no, None, f"not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                        f"at column {exc.start + 1}: {exc.reason}); was the file cut off "
+                        "or written in another encoding?") from None
+    return _parse_line(Path(path), line_no, text, tokenizer, vocab_size, require_rewards,
+                       load_prompt_file)
+
+
+def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
+                load_prompt_file=True) -> GroupRecord:
     def fail(field, message):
         raise DataError(path, line_no, field, message)
 
@@ -173,7 +200,7 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards) -> 
     if not isinstance(group_id, (str, int)) or isinstance(group_id, bool):
         fail("id", f"must be a string or an integer, got {type(group_id).__name__}.")
 
-    prompt = _prompt_ids(path, obj, fail, tokenizer, vocab_size)
+    prompt = _prompt_ids(path, obj, fail, tokenizer, vocab_size, load_prompt_file)
     responses, response_field = _responses(obj, fail, tokenizer, vocab_size)
     num_members = len(responses)
     rewards = _rewards(obj, fail, num_members, response_field, require_rewards)
@@ -193,7 +220,7 @@ def _one_of(obj, fields, fail, what) -> str:
     return present[0]
 
 
-def _prompt_ids(path, obj, fail, tokenizer, vocab_size) -> torch.Tensor:
+def _prompt_ids(path, obj, fail, tokenizer, vocab_size, load_prompt_file=True) -> torch.Tensor:
     field = _one_of(obj, PROMPT_FIELDS, fail, "prompt")
     value = obj[field]
     if field == "prompt":
@@ -203,7 +230,12 @@ def _prompt_ids(path, obj, fail, tokenizer, vocab_size) -> torch.Tensor:
     else:
         if not isinstance(value, str) or not value:
             fail(field, "must be a file path (relative to the JSONL file's folder).")
-        ids = read_prompt_file(path.parent / value, lambda msg: fail(field, msg))
+        report = lambda msg: fail(field, msg)  # noqa: E731
+        if not load_prompt_file:
+            if prompt_file_length(path.parent / value, report) == 0:
+                fail(field, "is empty; a group needs a prompt of at least one token.")
+            return torch.empty(0, dtype=torch.long)
+        ids = read_prompt_file(path.parent / value, report)
     if ids.numel() == 0:
         fail(field, "is empty; a group needs a prompt of at least one token.")
     _check_vocab(ids, fail, field, None, vocab_size)
@@ -311,19 +343,51 @@ def _check_vocab(ids: torch.Tensor, fail, field, item, vocab_size) -> None:
                     "tokenizer matches the model.")
 
 
-def read_prompt_file(path: Path, fail=None) -> torch.Tensor:
-    """Token ids [P] (int64) from `.npy` (1-D integer array), `.bin` (raw int32 little-endian) or
-    `.txt` (whitespace-separated integers). `fail(message)` reports a problem and must raise
-    (default: ValueError naming the file)."""
+def _reporter(path: Path, fail):
     def report(message):
         if fail is not None:
             fail(message)
         raise ValueError(f"{path}: {message}")
+    return report
 
+
+def _check_suffix(path: Path, report) -> str:
     suffix = path.suffix.lower()
     if suffix not in (".npy", ".bin", ".txt"):
         report(f"'{path}' has an unsupported extension; use .npy (integer array), .bin (raw int32 "
                "little-endian) or .txt (whitespace-separated ids).")
+    return suffix
+
+
+def prompt_file_length(path: Path, fail=None) -> int:
+    """The number of ids in a prompt file, from its header (`.npy`, memory-mapped, nothing read)
+    or size (`.bin`); `.txt` is read. The checks of `read_prompt_file` that need no ids."""
+    report = _reporter(path, fail)
+    if _check_suffix(path, report) == ".txt":
+        return int(read_prompt_file(path, fail).numel())
+    try:
+        if path.suffix.lower() == ".npy":
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                report(f"'{path}' holds a {array.ndim}-D {array.dtype} array; save a 1-D int32 or "
+                       "int64 array of token ids.")
+            return int(array.shape[0])
+        size = path.stat().st_size
+    except (OSError, ValueError) as exc:
+        report(f"cannot read '{path}' ({type(exc).__name__}: {exc}); paths are relative to the "
+               "JSONL file's folder.")
+    if size % 4:
+        report(f"'{path}' has {size} bytes, not a multiple of 4; .bin files are raw int32 "
+               "little-endian ids (numpy: ids.astype('<i4').tofile(path)).")
+    return size // 4
+
+
+def read_prompt_file(path: Path, fail=None) -> torch.Tensor:
+    """Token ids [P] (int64) from `.npy` (1-D integer array), `.bin` (raw int32 little-endian) or
+    `.txt` (whitespace-separated integers). `fail(message)` reports a problem and must raise
+    (default: ValueError naming the file)."""
+    report = _reporter(path, fail)
+    suffix = _check_suffix(path, report)
     try:
         if suffix == ".npy":
             array = np.load(path, allow_pickle=False)

@@ -104,6 +104,23 @@ class StepLogger:
                 self.writer.flush()
         return line
 
+    def log_eval(self, steps_done: int, values: dict[str, float]) -> str:
+        """One held-out evaluation (evaluate.py) after `steps_done` steps."""
+        line = (f"eval after step {steps_done - 1:5d} | groups {int(values['eval/groups'])} | "
+                f"logprob/token {values['eval/logprob_token_mean']:+.6f} | perplexity "
+                f"{values['eval/perplexity']:.4f} | logprob/sequence "
+                f"{values['eval/logprob_seq_mean']:+.4f}")
+        if "eval/kl_to_old" in values:
+            line += (f" | kl_to_old {values['eval/kl_to_old']:.3e} | |logp - logp_old| "
+                     f"{values['eval/logprob_abs_diff_to_old']:.3e}")
+        if self.enabled:
+            print(line, flush=True)
+            if self.writer is not None:
+                for key, value in values.items():
+                    self.writer.add_scalar(key, value, steps_done)
+                self.writer.flush()
+        return line
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -3,6 +3,7 @@
     capture(prompt)                         no autograd; pages hold what responses read
     for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
     for i in 1..G: replay(i); backward      one member's graph alive at a time
+    (the above for each group of the step)  micro-batches: gradients accumulate
     finalize grads; optimizer.step()        once (train_step)
 
 `forward_backward_longstraw` does everything up to the gradients (like Megatron's
@@ -58,6 +59,8 @@ class StepResult:
     step (gradients dropped, weights and optimizer state untouched)."""
     nonfinite_loss_ranks: list[int] = field(default_factory=list)
     """When skipped: the ranks whose group's loss was not finite (empty: only the gradient)."""
+    nonfinite_groups: list[int] = field(default_factory=list)
+    """train_step: the positions, among this rank's groups, of those whose loss was not finite."""
 
 
 def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
@@ -207,23 +210,54 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
     }
 
 
-def train_step(model, optimizer, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
-               max_grad_norm: float | None = None, loss_scale: float = 1.0,
+def merge_results(results: list[StepResult]) -> StepResult:
+    """One StepResult for the groups of one optimizer step on this rank (micro-batches): losses
+    and phase times add up, statistics are means over the groups (ratio extremes: max / min),
+    per-member lists concatenate, page bytes are the largest group's (pages are freed between
+    groups)."""
+    if len(results) == 1:
+        return results[0]
+    stats = {key: sum(r.stats[key] for r in results) / len(results) for key in results[0].stats}
+    stats["ratio_max"] = max(r.stats["ratio_max"] for r in results)
+    stats["ratio_min"] = min(r.stats["ratio_min"] for r in results)
+    largest = max(results, key=lambda r: r.page_bytes)
+    return StepResult(
+        loss=sum(r.loss for r in results), stats=stats,
+        logps=[lp for r in results for lp in r.logps],
+        logps_old=[lp for r in results for lp in r.logps_old],
+        phase_seconds={k: sum(r.phase_seconds.get(k, 0.0) for r in results)
+                       for k in results[0].phase_seconds},
+        page_bytes=largest.page_bytes, page_bytes_by_kind=dict(largest.page_bytes_by_kind),
+        fixed_page_kinds=list(largest.fixed_page_kinds),
+        selections=[sel for r in results for sel in r.selections])
+
+
+def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongStrawConfig,
+               ref_model=None, max_grad_norm: float | None = None, loss_scale: float = 1.0,
                progress=None) -> StepResult:
-    """One GRPO update: zero grads, forward_backward_longstraw, the corrected finalisation
-    (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer step; or no
-    step when the loss or the gradient is not finite on some rank (`result.skipped`: the caller
-    stops or counts it, --check-for-nan-in-loss-and-grad)."""
+    """One GRPO update: zero grads, forward_backward_longstraw for each of this rank's `groups`
+    (micro-batches: gradients accumulate, each group's loss times `loss_scale`), the corrected
+    finalisation (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer
+    step; or no step when a loss or the gradient is not finite on some rank (`result.skipped`:
+    the caller stops or counts it, --check-for-nan-in-loss-and-grad). The result merges the
+    groups (`merge_results`); `nonfinite_groups` names the local ones whose loss was not
+    finite."""
     from megatron_longstraw.finalize import clip_grads, finalize_longstraw_grads, grad_norm
 
+    groups = [groups] if isinstance(groups, GRPOGroup) else list(groups)
+    if not groups:
+        raise ValueError("train_step needs at least one group.")
     optimizer.zero_grad(set_to_none=True)
-    result = forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
-                                        loss_scale=loss_scale, progress=progress)
+    results = [forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
+                                          loss_scale=loss_scale, progress=progress)
+               for group in groups]
+    result = merge_results(results)
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
                                  else grad_norm(model))
     # A NaN / inf anywhere never reaches the weights: every rank agrees and none steps.
-    loss_bad = not math.isfinite(result.loss)
+    result.nonfinite_groups = [i for i, r in enumerate(results) if not math.isfinite(r.loss)]
+    loss_bad = bool(result.nonfinite_groups)
     any_loss_bad, grad_bad = any_rank([loss_bad, not math.isfinite(result.stats["grad_norm"])])
     if any_loss_bad or grad_bad:
         optimizer.zero_grad(set_to_none=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import sys
 import time
 import warnings
@@ -236,20 +235,61 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
                  resumed=resumed if resume is not None else None)
 
 
-def read_data(args, model_cfg, ls) -> list | None:
-    """The GRPO groups of --longstraw-data (None: synthetic data), read and checked against the
-    model and the step settings before any process group starts, so a bad line is reported at
-    once with its file, line and field (data.DataError)."""
-    if not args.longstraw_data:
-        return None
-    from megatron_longstraw.data import DataError, load_tokenizer, read_records
+MEGATRON_DATA_FLAGS = {
+    "data_path": "--data-path", "train_data_path": "--train-data-path",
+    "valid_data_path": "--valid-data-path", "test_data_path": "--test-data-path",
+    "split": "--split", "mock_data": "--mock-data", "data_args_path": "--data-args-path",
+    "dataloader_type": "--dataloader-type", "train_samples": "--train-samples",
+    "rampup_batch_size": "--rampup-batch-size"}
+"""Megatron's pre-training data and sample-count flags: the launcher reads GRPO groups instead
+(refused when given, never ignored)."""
 
-    tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
-    path = args.longstraw_data
-    groups = []
-    for record in read_records(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size):
-        group = record.group
-        field = record.response_field
+
+def check_data_flags(args, given: set[str]) -> None:
+    """Refuse Megatron data flags this launcher does not read, and settings that do not fit."""
+    used = [flag for dest, flag in MEGATRON_DATA_FLAGS.items() if dest in given]
+    if used:
+        raise FlagError(f"{', '.join(used)}: Megatron's pre-training data flags are not read by "
+                        "the LongStraw launcher; pass GRPO groups with --longstraw-data JSONL "
+                        "(held-out ones with --longstraw-eval-data), count steps with "
+                        "--train-iters and groups per step with --global-batch-size.")
+    if args.micro_batch_size not in (None, 1):
+        raise FlagError(f"--micro-batch-size {args.micro_batch_size}: a LongStraw micro-batch is "
+                        "one GRPO group (its --longstraw-group-size responses share one captured "
+                        "prompt); pass --micro-batch-size 1 or leave it out, and set the groups "
+                        "per optimizer step with --global-batch-size.")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise FlagError(f"--global-batch-size {args.global_batch_size}: give the number of GRPO "
+                        "groups per optimizer step (>= 1).")
+    if args.longstraw_eval_data is None:
+        unused = [flag for dest, flag in (("eval_interval", "--eval-interval"),
+                                          ("eval_iters", "--eval-iters")) if dest in given]
+        if unused:
+            raise FlagError(f"{', '.join(unused)} given without held-out data: pass "
+                            "--longstraw-eval-data JSONL (groups scored, not trained on).")
+    elif args.eval_iters < 1 or (args.eval_interval is not None and args.eval_interval < 1):
+        raise FlagError(f"--eval-iters {args.eval_iters} / --eval-interval {args.eval_interval}: "
+                        "both count (groups scored, steps between evaluations) and must be >= 1.")
+
+
+def global_batch_size(args, dp_size: int) -> int:
+    """GRPO groups per optimizer step, summed over the data-parallel replicas (Megatron's
+    --global-batch-size; default one per replica); each replica accumulates B / DP of them."""
+    size = args.global_batch_size or dp_size
+    if size % dp_size:
+        raise FlagError(f"--global-batch-size {size} counts GRPO groups per optimizer step over "
+                        f"all {dp_size} data-parallel replicas (world size / "
+                        "--context-parallel-size); it must be a multiple of "
+                        f"{dp_size}, e.g. {max(dp_size, size // dp_size * dp_size)}.")
+    return size
+
+
+def _group_check(path, ls):
+    """The step settings every group of `path` must fit (dataset.GroupDataset's `check`)."""
+    from megatron_longstraw.data import DataError
+
+    def check(record) -> None:
+        group, field = record.group, record.response_field
         if len(group.response_ids) != ls.group_size:
             raise DataError(path, record.line, field,
                             f"has {len(group.response_ids)} responses but the group size is "
@@ -262,29 +302,37 @@ def read_data(args, model_cfg, ls) -> list | None:
                                 f"--longstraw-max-response-len {ls.max_response_len} (YAML "
                                 "longstraw.max_response_len); raise the limit or drop the "
                                 "member.")
-        group.source = f"{path} line {record.line}"   # named by a non-finite step's error
-        groups.append(group)
-    if not groups:
-        raise DataError(path, None, None, "holds no groups (every line is blank); give one JSON "
-                                          "object per line.")
-    return groups
+    return check
 
 
-def _groups(args, model_cfg, ls, dp_rank: int, dp_size: int, groups: list | None = None):
-    """This data-parallel replica's GRPO groups, cycling (same on every rank of its CP group):
-    `groups` (read_data's), else synthetic ones."""
-    if groups is None and args.longstraw_data:
-        groups = read_data(args, model_cfg, ls)
-    if groups is not None:
-        mine = groups[dp_rank::dp_size] or groups
-        return itertools.cycle(mine)
+def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: bool = True):
+    """The GRPO groups of `path` (default --longstraw-data) as a lazily read
+    dataset.GroupDataset, every line checked against the model and the step settings before any
+    process group starts (a bad line is a DataError naming file, line and field); None without
+    a path (synthetic data)."""
+    path = args.longstraw_data if path is None else path
+    if not path:
+        return None
+    from megatron_longstraw.data import load_tokenizer
+    from megatron_longstraw.dataset import GroupDataset
+
+    tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
+    return GroupDataset(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
+                        check=_group_check(path, ls), require_rewards=require_rewards)
+
+
+def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int) -> list:
+    """This replica's groups of the step that starts at `consumed_groups` (dataset.py): read
+    from `data`, or synthetic (group g from seed + g)."""
+    indices = sampler.step_indices(consumed_groups)
+    if data is not None:
+        return [data[i] for i in indices]
     from megatron_longstraw.data import synthetic_group
 
     prompt_len = args.longstraw_synthetic_prompt_len or 4096
-    return (synthetic_group(model_cfg.vocab_size, prompt_len, ls.group_size,
+    return [synthetic_group(model_cfg.vocab_size, prompt_len, ls.group_size,
                             min(args.longstraw_synthetic_response_len, ls.max_response_len),
-                            seed=ls.seed + 1000 * step + dp_rank)
-            for step in itertools.count())
+                            seed=ls.seed + g) for g in indices]
 
 
 def _group_name(group, step: int, dp_rank: int) -> str:
@@ -293,7 +341,7 @@ def _group_name(group, step: int, dp_rank: int) -> str:
             f"tokens, rewards {[round(float(r), 4) for r in group.rewards]})")
 
 
-def nonfinite_step(args, step: int, result, group, dp_rank: int) -> None:
+def nonfinite_step(args, step: int, result, groups: list, dp_rank: int) -> None:
     """A step the optimizer skipped (schedule.train_step: NaN / inf loss or gradient). With
     --check-for-nan-in-loss-and-grad (Megatron's default) the run stops: a NonFiniteError naming
     the step and the group(s), on every rank; without it the caller counts the skipped step.
@@ -302,22 +350,42 @@ def nonfinite_step(args, step: int, result, group, dp_rank: int) -> None:
 
     if not args.check_for_nan_in_loss_and_grad:
         return
-    names = [_group_name(group, step, dp_rank)]
+    bad = result.nonfinite_groups or range(len(groups))   # a gradient: every group of the step
+    local = [_group_name(groups[i], step, dp_rank) for i in bad]
+    names = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, _group_name(group, step, dp_rank))
+        dist.all_gather_object(names, local)
     if result.nonfinite_loss_ranks:
         what = f"the loss is {result.loss} for " + "; ".join(
-            dict.fromkeys(names[r] for r in result.nonfinite_loss_ranks))
+            dict.fromkeys(n for r in result.nonfinite_loss_ranks for n in names[r]))
     else:
         what = (f"the gradient norm is {result.stats['grad_norm']} (the loss is finite) for "
-                + "; ".join(dict.fromkeys(names)))
+                + "; ".join(dict.fromkeys(n for rank in names for n in rank)))
     last = (f"the last checkpoint in {args.save} is intact" if args.save
             else "nothing was saved (no --save)")
     raise NonFiniteError(
         f"step {step}: {what}; the optimizer did not step and {last}. Check the group's rewards "
         "and the learning rate, or pass --no-check-for-nan-in-loss-and-grad to skip such steps "
         "(counted as skipped_steps).")
+
+
+def replica_mean(result, dp_size: int):
+    """The step's figures over all its groups, for the log and the receipt: the loss summed over
+    the data-parallel replicas (each already carries 1 / B: the mean GRPO loss of the B groups),
+    statistics averaged (ratio extremes: max / min). Collective over the data-parallel group."""
+    if dp_size == 1:
+        return result
+    from megatron.core import parallel_state as ps
+
+    per_replica = [None] * dp_size
+    dist.all_gather_object(per_replica, (result.loss, result.stats),
+                           group=ps.get_data_parallel_group())
+    stats = {key: sum(s[key] for _, s in per_replica) / dp_size for key in result.stats}
+    stats["ratio_max"] = max(s["ratio_max"] for _, s in per_replica)
+    stats["ratio_min"] = min(s["ratio_min"] for _, s in per_replica)
+    stats["grad_norm"] = result.stats["grad_norm"]   # of the summed gradient: the same everywhere
+    return dataclasses.replace(result, loss=sum(loss for loss, _ in per_replica), stats=stats)
 
 
 def check_finite_weights(model, step: int) -> None:
@@ -345,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
         family, model_cfg, ls, dtype = resolve(args, given)
         lora, ls = resolve_lora(args, family, ls)
         check_outputs(args, lora)
+        check_data_flags(args, given)
         total_iters = args.train_iters or 1
         lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
                                     total_iters)   # the schedule's flags, checked before any work
@@ -353,10 +422,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     configure_logging()   # after Megatron's import-time logging setup: information on rank 0
     data = read_data(args, model_cfg, ls)
+    eval_data = (read_data(args, model_cfg, ls, args.longstraw_eval_data, require_rewards=False)
+                 if args.longstraw_eval_data else None)
 
     from megatron.core import parallel_state as ps
 
     from megatron_longstraw import parallel, precision
+    from megatron_longstraw.dataset import GroupSampler
+    from megatron_longstraw.evaluate import eval_group_count, evaluate
     from megatron_longstraw.kernels import select
     from megatron_longstraw.memory import SavedTensorMeter
     from megatron_longstraw.receipts import (
@@ -374,14 +447,19 @@ def main(argv: list[str] | None = None) -> dict:
     precision.use_dtype(dtype)  # float64: Megatron's float32 islands kept in float64
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    with errors.configuration():
+        batch = global_batch_size(args, dp_size)
+        eval_count = (eval_group_count(args.eval_iters, len(eval_data), dp_size)
+                      if eval_data is not None else 0)
     run = setup_model(args, family, model_cfg, dtype, ls, lora, ep)
     model, optimizer, first_step, lora = run.model, run.optimizer, run.first_step, run.lora
     params = parameter_counts(model)
     if rank == 0 and run.messages:
         print("\n".join(run.messages), flush=True)
-    groups = _groups(args, model_cfg, ls, dp_rank, dp_size, data)
-    for _ in range(first_step):
-        next(groups)  # the data position of an uninterrupted run
+    sampler = GroupSampler(len(data) if data is not None else None, batch, dp_rank, dp_size,
+                           ls.seed, shuffle=args.longstraw_data_shuffle)
+    # The data position: groups consumed by earlier steps (over all replicas), from the checkpoint.
+    consumed = int((run.resumed or {}).get("consumed_groups", first_step * batch))
     logger = StepLogger(args.tensorboard_dir, enabled=rank == 0)
     scheduler = lr_schedule.build_scheduler(args, optimizer, total_iters)
     if run.resumed is not None:
@@ -396,29 +474,37 @@ def main(argv: list[str] | None = None) -> dict:
         return save_checkpoint(args.save, model, optimizer, steps_done,
                                extra={"family": family, "model": model_cfg.to_dict(),
                                       lr_schedule.STATE_KEY: scheduler.state_dict(),
-                                      "skipped_steps": skipped},
+                                      "skipped_steps": skipped, "consumed_groups": consumed},
                                meta_extra=run.meta)
 
     steps_done = first_step
     # --exit-signal-handler, --exit-duration-in-mins, --exit-interval (exit_conditions.py)
     with ExitConditions(args, start) as exits:
         for step in range(first_step, total_iters):
-            group = next(groups)
+            groups = step_groups(args, model_cfg, ls, sampler, data, consumed)
             bar = ProgressBar(f"step {step} capture") if rank == 0 else None
             lr = lr_schedule.current_lr(optimizer)
             with SavedTensorMeter(model) as meter:
-                # 1/DP: one optimizer step averages the DP replicas' groups (finalize.py sums).
-                result = train_step(model, optimizer, group, ls, ref_model=run.ref_model,
-                                    max_grad_norm=args.clip_grad, loss_scale=1.0 / dp_size,
+                # 1/B: the update follows the mean over the step's B groups of each group's GRPO
+                # loss; each replica accumulates its B / DP groups, finalize.py sums over DP.
+                result = train_step(model, optimizer, groups, ls, ref_model=run.ref_model,
+                                    max_grad_norm=args.clip_grad, loss_scale=1.0 / batch,
                                     progress=bar)
+            consumed += batch
             if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
-                nonfinite_step(args, step, result, group, dp_rank)
+                nonfinite_step(args, step, result, groups, dp_rank)
                 skipped += 1
             else:
                 scheduler.step(1)
+            report = replica_mean(result, dp_size)
             memory = step_memory(meter.peak_bytes, result.page_bytes)
-            logger.log(step, result, {**memory, "optimizer/lr": lr, "skipped_steps": skipped})
+            logger.log(step, report, {**memory, "optimizer/lr": lr, "skipped_steps": skipped,
+                                      "consumed_groups": consumed})
             steps_done = step + 1
+            if eval_count and (steps_done == total_iters or (
+                    args.eval_interval and steps_done % args.eval_interval == 0)):
+                logger.log_eval(steps_done, evaluate(model, eval_data, ls, eval_count, dp_rank,
+                                                     dp_size, ps.get_data_parallel_group()))
             stopped = exits.check(steps_done) if steps_done < total_iters else None
             saved = None
             interval = args.save_interval and steps_done % args.save_interval == 0
@@ -441,10 +527,11 @@ def main(argv: list[str] | None = None) -> dict:
     if result is None:
         return {}
     receipt = step_receipt(
-        name=args.longstraw_run_name, family=family, config=args.longstraw_config, group=group,
-        result=result, memory=memory, params=params, meta=run.meta,
+        name=args.longstraw_run_name, family=family, config=args.longstraw_config,
+        group=max(groups, key=lambda g: g.prompt_ids.numel()), result=report, memory=memory,
+        params=params, meta=run.meta,
         sizes={"world_size": world, "context_parallel_size": cp, "expert_parallel_size": ep,
-               "data_parallel_size": dp_size},
+               "data_parallel_size": dp_size, "global_batch_size": batch},
         dtype=dtype, steps=steps_done, start=start)
     receipt["skipped_steps"] = skipped
     if rank != 0:
