@@ -280,6 +280,13 @@ class _CudaCounters:
         return self.peak, self._now(), self.phases
 
 
+def phase(name: str):
+    """The active `LiveBytesMeter`'s `phase(name)`, or nothing when no meter is active: how the
+    schedule marks its phases (capture, scoring, replay) without knowing whether anyone measures."""
+    meter = LiveBytesMeter._active
+    return meter.phase(name) if meter is not None else contextlib.nullcontext()
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

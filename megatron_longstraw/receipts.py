@@ -136,21 +136,30 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def step_memory(peak_saved_tensor_bytes: int, page_bytes: int) -> dict[str, torch.Tensor]:
+LIVE_PHASES = ("step", "capture", "scoring", "replay")
+"""The phases whose peak live tensor bytes a step records (memory.LiveBytesMeter)."""
+
+
+def step_memory(peak_saved_tensor_bytes: int, page_bytes: int,
+                peak_live_bytes: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """What a step logs (and the receipt records) about memory, over all ranks (collective): the
-    largest peak RSS and peak saved-tensor bytes of any rank, and the page bytes of all ranks.
-    `peak_saved_tensor_bytes`: this rank's `SavedTensorMeter.peak_bytes`; `page_bytes`: this
-    rank's `StepResult.page_bytes`."""
+    largest peak RSS, peak saved-tensor bytes and peak live tensor bytes per phase of any rank,
+    and the page bytes of all ranks. `peak_saved_tensor_bytes`: this rank's
+    `SavedTensorMeter.peak_bytes`; `page_bytes`: this rank's `StepResult.page_bytes`;
+    `peak_live_bytes`: this rank's `LiveBytesMeter` figures by phase (LIVE_PHASES; "step" the
+    whole step's), from the step's start: what the phase held at its peak, pages included."""
     import torch.distributed as dist
 
     from megatron_longstraw.memory import peak_rss_bytes
 
-    peaks = torch.tensor([peak_rss_bytes(), peak_saved_tensor_bytes, page_bytes],
-                         dtype=torch.float64)
-    dist.all_reduce(peaks[:2], op=dist.ReduceOp.MAX)
-    page_total = peaks[2:].clone()
+    live = peak_live_bytes or {}
+    peaks = torch.tensor([peak_rss_bytes(), peak_saved_tensor_bytes,
+                          *(live.get(p, 0) for p in LIVE_PHASES), page_bytes], dtype=torch.float64)
+    dist.all_reduce(peaks[:-1], op=dist.ReduceOp.MAX)
+    page_total = peaks[-1:].clone()
     dist.all_reduce(page_total)
     return {"memory/peak_rss_bytes": peaks[0], "memory/peak_saved_tensor_bytes": peaks[1],
+            **{f"memory/peak_live_bytes/{p}": peaks[2 + i] for i, p in enumerate(LIVE_PHASES)},
             "memory/page_bytes_all_ranks": page_total[0]}
 
 
@@ -186,6 +195,7 @@ def step_receipt(*, name: str, family: str, config: str | None, group, result, m
         **pages,
         "peak_rss_bytes": int(memory["memory/peak_rss_bytes"]),
         "peak_saved_tensor_bytes": int(memory["memory/peak_saved_tensor_bytes"]),
+        "peak_live_bytes": {p: int(memory[f"memory/peak_live_bytes/{p}"]) for p in LIVE_PHASES},
         "phase_seconds": result.phase_seconds,
         "loss": result.loss,
         "stats": result.stats,
@@ -230,6 +240,8 @@ def step_summary(receipt: dict, *, model: str, lora, backend: str, path: Path) -
             + (" (fixed)" if kind in receipt["fixed_page_kinds"] else "")
             for kind, nbytes in receipt["page_bytes_by_kind"].items())),
         ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
+        ("peak live tensors", ", ".join(f"{p} {human_bytes(n)}"
+                                        for p, n in receipt["peak_live_bytes"].items())),
         ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
         ("loss", f"{receipt['loss']:.6f}"),
         ("mean reward", f"{receipt['stats']['reward_mean']:.3f}"),

@@ -27,6 +27,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
     member_loss,
     validate_group,
 )
+from megatron_longstraw import memory
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
 from megatron_longstraw.replay import replay_member, score_member
@@ -143,15 +144,17 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
 def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> StepResult:
     timings: dict[str, float] = {}
 
-    captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress)
-    ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
+    with memory.phase("capture"):
+        captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress)
+        ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
     timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
 
     start = time.perf_counter()
-    scored = [score_member(model, captured, r, cfg) for r in group.response_ids]
+    with memory.phase("scoring"):
+        scored = [score_member(model, captured, r, cfg) for r in group.response_ids]
+        logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
+                     if ref_captured is not None else None)
     logps_old = group.logps_old or [lp for lp, _ in scored]
-    logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
-                 if ref_captured is not None else None)
     timings["scoring"] = time.perf_counter() - start
 
     loss_cfg = cfg.loss_config()
@@ -160,24 +163,25 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
     num_members = len(group.response_ids)
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
-    for i, response in enumerate(group.response_ids):
-        args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
-                    num_tokens=int(response.numel()), loss_scale=loss_scale)
-        ref = logps_ref[i] if logps_ref else None
+    with memory.phase("replay"):
+        for i, response in enumerate(group.response_ids):
+            args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
+                        num_tokens=int(response.numel()), loss_scale=loss_scale)
+            ref = logps_ref[i] if logps_ref else None
 
-        def share_loss(logp, tokens, i=i, args=args, ref=ref):
-            return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
-                               logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
-                               **args)[0]
+            def share_loss(logp, tokens, i=i, args=args, ref=ref):
+                return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
+                                   logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
+                                   **args)[0]
 
-        logp = scored[i][0] if forward_only else replay_member(
-            model, captured, response, scored[i][1], cfg, share_loss)
-        # Whole-member loss and statistics from the gathered log-probs (reporting only).
-        loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
-                                  logp_ref=None if ref is None else ref.to(logp.dtype), **args)
-        total += float(loss)
-        logps.append(logp)
-        member_stats.append(stats)
+            logp = scored[i][0] if forward_only else replay_member(
+                model, captured, response, scored[i][1], cfg, share_loss)
+            # Whole-member loss and statistics from the gathered log-probs (reporting only).
+            loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
+                                      logp_ref=None if ref is None else ref.to(logp.dtype), **args)
+            total += float(loss)
+            logps.append(logp)
+            member_stats.append(stats)
     timings["replay"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])

@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_longstraw.dataset import GroupSampler
     from megatron_longstraw.evaluate import eval_group_count, evaluate
     from megatron_longstraw.kernels import select
-    from megatron_longstraw.memory import SavedTensorMeter
+    from megatron_longstraw.memory import LiveBytesMeter, SavedTensorMeter
     from megatron_longstraw.receipts import (
         parameter_counts,
         step_memory,
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
             groups = step_groups(args, model_cfg, ls, sampler, data, consumed)
             bar = ProgressBar(f"step {step} capture") if rank == 0 else None
             lr = lr_schedule.current_lr(optimizer)
-            with SavedTensorMeter(model) as meter:
+            with SavedTensorMeter(model) as meter, LiveBytesMeter() as live:
                 # 1/B: the update follows the mean over the step's B groups of each group's GRPO
                 # loss; each replica accumulates its B / DP groups, finalize.py sums over DP.
                 result = train_step(model, optimizer, groups, ls, ref_model=run.ref_model,
@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 scheduler.step(1)
             report = replica_mean(result, dp_size)
-            memory = step_memory(meter.peak_bytes, result.page_bytes)
+            memory = step_memory(meter.peak_bytes, result.page_bytes,
+                                 {**live.phase_peaks, "step": live.peak_bytes})
             logger.log(step, report, {**memory, "optimizer/lr": lr, "skipped_steps": skipped,
                                       "consumed_groups": consumed})
             steps_done = step + 1

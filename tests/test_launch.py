@@ -203,6 +203,13 @@ def test_pretrain_gpt_runs_one_step(tmp_path):
     assert receipt["page_bytes_by_kind"] == {"latent": 255 * 8 * 40 * 4, "index_key": 255 * 4 * 16 * 4}
     assert receipt["fixed_page_kinds"] == [] and receipt["fixed_page_bytes"] == 0
     assert receipt["page_bytes_per_token"] == (8 * 40 + 4 * 16) * 4
+    # Peak live tensor bytes per phase (memory.LiveBytesMeter), from the step's start: the pages
+    # are live from capture on, so every phase after capture holds at least them.
+    live = receipt["peak_live_bytes"]
+    assert set(live) == {"step", "capture", "scoring", "replay"}
+    assert live["step"] == max(live.values())
+    assert min(live["scoring"], live["replay"]) >= receipt["page_bytes_per_rank"] > 0
+    assert "peak live tensors" in stdout
     # What produced it: the installed versions (read here from the distributions' metadata) and
     # the CPU capability torch dispatches on.
     from importlib import metadata

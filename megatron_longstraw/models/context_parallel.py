@@ -87,3 +87,20 @@ def attend_branch(state: AttentionPass, rows: Sequence[torch.Tensor],
     gathered = [parallel.gather_rows(t, state.cp.layout) for t in rows]
     out, lse = attend(*gathered)
     return parallel.merge_partials_by_lse(out, lse, state.cp.layout)
+
+
+def local_key_index(selection: torch.Tensor, prefix_positions: torch.Tensor, prefix_len: int,
+                    branch_here: bool) -> torch.Tensor:
+    """Global key positions [s, k] (-1 = none) -> indices into this rank's keys: its prompt shard
+    (`prefix_positions`, ascending), then the branch's rows (positions prefix_len, prefix_len + 1,
+    ...) when `branch_here`; -1 for a key held elsewhere. O(s x k): no table over the prompt."""
+    chosen = selection.clamp(min=0)
+    num_prefix = prefix_positions.numel()
+    local = torch.full_like(selection, -1)
+    if num_prefix:
+        slot = torch.searchsorted(prefix_positions, chosen).clamp(max=num_prefix - 1)
+        here = (selection >= 0) & (chosen < prefix_len) & (prefix_positions[slot] == chosen)
+        local = torch.where(here, slot, local)
+    if branch_here:
+        local = torch.where(selection >= prefix_len, num_prefix + selection - prefix_len, local)
+    return local

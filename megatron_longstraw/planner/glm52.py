@@ -6,7 +6,7 @@ parameters, index-key pages, scores and top-k selections) and the sparse attenti
 from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved, outside_layers_saved,
     rank_rows, rms_norm_saved,
 )
 from megatron_longstraw.planner.mla import (
@@ -52,13 +52,23 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
     k = min(cfg.index_topk, prefix_len + q)            # selection width
+
+    def core(width):   # refs.sparse_mla_attention over one part's `width` selected rows
+        return (8 * q * width                          # the part's key index (int64)
+                + q * width * d_qk * b + q * H * d_qk * b   # gathered latent rows, absorbed queries
+                + 2 * q * width                        # validity masks (bool)
+                + 2 * q * H * width * acc + q * H * width * b + 2 * q * H * acc  # lse / exp / probs
+                + q * width * kvr * b)                 # value rows c_kv (second einsum)
+
+    # Two parts (models/partials.py): the prompt's pages (this rank's shard) at the selection's
+    # width, the branch's own q rows at most q wide; their log-sum-exp merge saves both partial
+    # outputs and lses and the merged ones.
+    prefix_width = min(k, local_prompt_rows(prefix_len + 1, cp))
+    own_width = min(k, q)
     attention = (
         mla_outer_saved(cfg, c, b)
-        + 8 * q * k                                    # selection / local key index (int64)
-        + q * k * d_qk * b + q * H * d_qk * b          # gathered latent rows, absorbed queries
-        + 2 * q * k                                    # validity masks (bool)
-        + 2 * q * H * k * acc + q * H * k * b + 2 * q * H * acc   # logsumexp / exp / probs
-        + q * k * kvr * b                              # value rows c_kv (second einsum)
+        + core(prefix_width) + core(own_width)
+        + 3 * q * H * (kvr * b + acc)                  # the merge
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
     )
     if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
@@ -70,7 +80,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     # Saved references that are views of another saved tensor (counted by the meter, not by the
     # allocator): the value rows (a slice of the latent rows), the expanded scatter index, and the
     # log-probs saved a second time by gather.
-    attention_views = q * k * kvr * b
+    attention_views = q * (prefix_width + own_width) * kvr * b
     moe_views = routed * h * 8 - routed * 8
     layers = [attention + (moe if cfg.is_moe_layer(i) else dense)
               for i in range(cfg.num_hidden_layers)]

@@ -182,8 +182,13 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
 
     keys = prefix_len + s                              # [prefix (shard); branch]
     num_query_blocks = -(-s // query_block)
-    queries = s * (2 * H * d * b + H * acc + 8)        # q and out blocks, lse, q positions
-    key_rows = keys * (2 * G * d * b + 8)              # K, V ([pages; branch] cat copy), positions
+    # Two partials (models/partials.py: the prompt's pages, the branch's rows), each saving the
+    # query block, its output, lse and the query positions; their log-sum-exp merge saves both
+    # partials and the merged output and lse.
+    part = s * (H * d * b + H * acc + 8)               # a partial's out, lse, q positions
+    queries = 2 * (s * H * d * b + part)
+    merge = s * H * (3 * d * b + 3 * acc)
+    key_rows = keys * (2 * G * d * b + 8)              # K, V (pages; branch rows), positions
     attention_outer = (
         norm(c, h) + c * h * b                         # input_layernorm, linear_qkv input
         + norm(c * H, d) + norm(c * G, d)              # q_layernorm, k_layernorm
@@ -193,8 +198,9 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
     )
     if cp > 1:  # log-sum-exp merge of this rank's [s, H, d] partial, keeping its c rows
         attention_outer += lse_merge_saved(s, c, H, d, acc)
-    attention = attention_outer + queries + num_query_blocks * key_rows   # keys saved per query block
-    attention_device = attention_outer + queries + key_rows
+    attention = attention_outer + queries + merge + num_query_blocks * key_rows   # keys per query block
+    # device: the query block and the partials' outputs are one storage each, whatever saves them
+    attention_device = attention_outer + s * H * d * b + 2 * part + s * H * (d * b + acc) + key_rows
 
     # token ids, checkpoint inputs, LM head (the zero-centred final_norm), loss
     embed, inputs, head, loss = outside_layers_saved(cfg, c, b, acc, norm(c, h))

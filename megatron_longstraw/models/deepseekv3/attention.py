@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from megatron_longstraw.kernels import refs, select
-from megatron_longstraw.models import context_parallel
+from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.deepseekv3.config import decoder_layer_index
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
 from megatron_longstraw.state import AttentionPass
@@ -59,21 +59,22 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         if not torch.is_grad_enabled():
             return self._causal_in_order(x, state, write_pages=False)
         latents = self._latent_rows(x, state.positions)
-        return self._project_out(self._attend(x, state.positions, latents, state.positions, state))
+        return self._project_out(self._attend(x, state.positions, [(latents, state.positions)],
+                                              state))
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard): its latent rows become pages."""
         return self._causal_in_order(x, state, write_pages=True)
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        """One branch over the captured pages plus its own rows."""
+        """One branch over the captured pages plus its own rows, two parts of keys
+        (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
         latents = self._latent_rows(x, state.positions)
-        key_positions = state.positions
+        parts = [(latents, state.positions)]
         if state.prefix_len > 0:
-            latents = torch.cat([self.read_page(state, LATENT, x.device, latents.dtype), latents])
-            key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
-                                       state.positions])
-        return self._project_out(self._attend(x, state.positions, latents, key_positions, state))
+            parts.insert(0, (self.read_page(state, LATENT, x.device, latents.dtype),
+                             partials.prompt_key_positions(state.prefix_len, x.device)))
+        return self._project_out(self._attend(x, state.positions, parts, state))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
         """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
@@ -83,7 +84,7 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
             x, state, (LATENT,), write_pages,
             rows=lambda x_block, positions: ((self._latent_rows(x_block, positions),), x_block),
             attend=lambda x_block, latents, positions, key_positions: self._project_out(
-                self._attend(x_block, positions, latents[0], key_positions, state)))
+                self._attend(x_block, positions, [(latents[0], key_positions)], state)))
 
     def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
         return self._project_out(self._replay_context_parallel(x, state))
@@ -99,7 +100,7 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         self.write_rows(state, LATENT, latents)
         out, _ = context_parallel.ring_attention(
             state, latents, latents, lambda src_rows, _, src_pos: self._attend(
-                x, state.positions, src_rows, src_pos, state, return_lse=True))
+                x, state.positions, [(src_rows, src_pos)], state, return_lse=True))
         return torch.cat([self._project_out(out[s:s + block])[0]
                           for s in range(0, x.shape[0], block)]), None
 
@@ -111,11 +112,10 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         _, query = self._queries(x, state.positions)
 
         def attend(all_query, all_latents):
-            keys = torch.cat([self.read_page(state, LATENT, x.device, own_latents.dtype),
-                              all_latents])
-            key_positions = torch.cat([state.cp.prefix_positions,
-                                       context_parallel.branch_key_positions(state)])
-            return self._dense(all_query, state.cp.branch_positions, keys, key_positions, state)
+            parts = [(self.read_page(state, LATENT, x.device, own_latents.dtype),
+                      state.cp.prefix_positions),
+                     (all_latents, context_parallel.branch_key_positions(state))]
+            return self._dense(all_query, state.cp.branch_positions, parts, state)
 
         merged = context_parallel.attend_branch(state, (query, own_latents), attend)
         return self._up_project_values(merged)
@@ -135,30 +135,29 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         return select.kernels().apply_rope(x, positions, cfg.rotary_base, interleaved,
                                            inv_freq=inv_freq, attention_factor=factor)
 
-    def _attend(self, x, positions, latents, key_positions, state, return_lse=False):
-        """The current tokens' queries, computed per query block, over latent rows all held here
-        (latents [t, d_qk], global key positions [t]). -> [s, heads, v_head_dim] (and lse
-        [s, heads] with `return_lse`)."""
+    def _attend(self, x, positions, key_parts, state, return_lse=False):
+        """The current tokens' queries, computed per query block, over latent rows all held here,
+        in parts of (latents [t_i, d_qk], global key positions [t_i]). -> [s, heads, v_head_dim]
+        (and lse [s, heads] with `return_lse`)."""
         outs, lses = [], []
         for start in range(0, x.shape[0], state.query_block):
             end = min(start + state.query_block, x.shape[0])
             _, query = self._queries(x[start:end], positions[start:end])
-            out, lse = self._dense(query, positions[start:end], latents, key_positions, state)
+            out, lse = self._dense(query, positions[start:end], key_parts, state)
             outs.append(self._up_project_values(out))
             lses.append(lse)
         out = torch.cat(outs)
         return (out, torch.cat(lses)) if return_lse else out
 
-    def _dense(self, query, query_positions, latents, key_positions, state):
-        """Absorbed queries [s, heads, d_qk] over latent rows [t, d_qk] as MQA (one K/V group:
-        keys the whole rows, values their c_kv part), per query block. -> (out_latent [s, heads,
-        kv_lora_rank], lse [s, heads])."""
-        keys = latents[:, None, :]
-        values = latents[:, None, :self.config.kv_lora_rank]
-        parts = [select.kernels().blockwise_attention(
-                     query[start:start + state.query_block], keys, values,
-                     query_positions[start:start + state.query_block], key_positions,
-                     self.softmax_scale, state.key_block)
+    def _dense(self, query, query_positions, key_parts, state):
+        """Absorbed queries [s, heads, d_qk] over latent rows in parts of (latents [t_i, d_qk],
+        key positions [t_i]) as MQA (one K/V group: keys the whole rows, values their c_kv part),
+        per query block. -> (out_latent [s, heads, kv_lora_rank], lse [s, heads])."""
+        rank = self.config.kv_lora_rank
+        mqa = [(rows[:, None, :], rows[:, None, :rank], pos) for rows, pos in key_parts]
+        parts = [partials.blockwise(query[start:start + state.query_block], mqa,
+                                    query_positions[start:start + state.query_block],
+                                    self.softmax_scale, state.key_block)
                  for start in range(0, query.shape[0], state.query_block)]
         out, lse = (torch.cat(p) for p in zip(*parts))
         return out, lse

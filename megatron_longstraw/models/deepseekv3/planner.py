@@ -40,10 +40,13 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
     keys = local_prompt_rows(prefix_len + 1, cp) + q   # local prompt rows + the branch's own
+    # Two partials (models/partials.py: the prompt's rows, the branch's own), each saving the
+    # queries, its output, lse and positions; the log-sum-exp merge saves both and the merged ones.
     attention = (
         mla_outer_saved(cfg, c, b)
-        + q * H * d_qk * b + keys * d_qk * b           # blockwise attention: queries, key rows
-        + q * H * kvr * b + q * H * acc + 8 * (q + keys)   # its output, lse, positions
+        + 2 * q * H * d_qk * b + keys * d_qk * b       # blockwise attention: queries, key rows
+        + 2 * (q * H * kvr * b + q * H * acc) + 8 * (2 * q + keys)   # outputs, lses, positions
+        + 3 * q * H * (kvr * b + acc)                  # the merge
         + H * q * kvr * b                              # out_latent . W_UV (einsum)
     )
     if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept

@@ -24,7 +24,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from megatron_longstraw import parallel
 from megatron_longstraw.kernels import select
-from megatron_longstraw.models import context_parallel
+from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.glm52.config import has_own_indexer
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
 from megatron_longstraw.state import AttentionPass
@@ -72,7 +72,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
     def forward_full(self, x: torch.Tensor, state: AttentionPass):
         """Over the current tokens' own rows."""
         latents, index_keys = self._token_rows(x, state)
-        return self._project_out(self._attend(x, state, latents, index_keys, state.positions))
+        return self._project_out(self._attend(x, state, [latents], index_keys, state.positions))
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard): its rows become pages; its queries attend over the
@@ -88,25 +88,29 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             latents, positions = context_parallel.gather_prompt_keys(latents, state)
             if index_keys is not None:
                 index_keys, _ = context_parallel.gather_prompt_keys(index_keys, state)
-        return self._project_out(self._attend(x, state, latents, index_keys, positions))
+        return self._project_out(self._attend(x, state, [latents], index_keys, positions))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        """One branch over the captured pages plus its own rows."""
+        """One branch over the captured pages plus its own rows: two parts of keys
+        (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
         latents, index_keys = self._token_rows(x, state)
-        positions = state.positions
+        parts, positions = [latents], state.positions
         if state.prefix_len > 0:
-            latents = torch.cat([self.read_page(state, LATENT, x.device, latents.dtype), latents])
-            if index_keys is not None:   # index keys feed the top-k only: never a gradient
+            parts.insert(0, self.read_page(state, LATENT, x.device, latents.dtype))
+            # Index keys feed the top-k only (never a gradient), and only when it is computed
+            # here: replay reuses scoring's selections and reads no prompt index keys.
+            if index_keys is not None and not state.reuse_selections:
                 prefix_index = self.read_page(state, INDEX_KEY, x.device, index_keys.dtype,
                                               differentiable=False)
                 index_keys = torch.cat([prefix_index, index_keys])
-            positions = torch.cat([torch.arange(state.prefix_len, device=x.device), positions])
-        return self._project_out(self._attend(x, state, latents, index_keys, positions))
+                positions = torch.cat([torch.arange(state.prefix_len, device=x.device), positions])
+        return self._project_out(self._attend(x, state, parts, index_keys, positions))
 
-    def _attend(self, x: torch.Tensor, state: AttentionPass, key_latents, key_index,
+    def _attend(self, x: torch.Tensor, state: AttentionPass, key_parts, key_index,
                 key_positions) -> torch.Tensor:
-        """The current tokens' queries, per query block, over keys all held here (latent rows
-        [t, d_qk], index keys [t, d_i] or None, global positions [t]). -> [s, h, v]"""
+        """The current tokens' queries, per query block, over keys all held here: latent rows in
+        parts ([t_i, d_qk] each, together the key axis), index keys [t, d_i] or None, global
+        positions [t] (these two only where the top-k is computed). -> [s, h, v]"""
         outputs = []
         for start in range(0, x.shape[0], state.query_block):
             end = min(start + state.query_block, x.shape[0])
@@ -115,8 +119,8 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                                         lambda q_index, w: self._topk_local(
                                             q_index, w, key_index, key_positions,
                                             state.positions[start:end], state))
-            out_latent, _ = select.kernels().sparse_mla_attention(
-                query, key_latents, selection, self.softmax_scale, self.config.kv_lora_rank)
+            out_latent, _ = partials.sparse_mla(query, key_parts, selection, self.softmax_scale,
+                                                self.config.kv_lora_rank)
             outputs.append(self._up_project_values(out_latent))
         return torch.cat(outputs)
 
@@ -159,23 +163,18 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                                     candidates, gathered=True)
 
         def attend(all_query, all_latents):
-            # Keys here: this rank's prompt rows, then the branch's rows; selected positions
-            # map to them (-1: a key held by another rank, or a branch key off rank 0).
+            # Keys here: this rank's prompt rows, then the branch's rows (two parts); selected
+            # positions map to them (-1: a key held by another rank, or a branch key off rank 0).
             prefix_latents = self.read_page(state, LATENT, x.device, own_latents.dtype)
-            key_latents = torch.cat([prefix_latents, all_latents])
-            lookup = torch.full((state.prefix_len + branch_positions.numel(),), -1,
-                                dtype=torch.long, device=x.device)
-            lookup[cp.prefix_positions] = torch.arange(prefix_latents.shape[0], device=x.device)
-            if context_parallel.branch_keys_counted_here(state):
-                lookup[branch_positions] = prefix_latents.shape[0] + torch.arange(
-                    branch_positions.numel(), device=x.device)
-            local = torch.where(selection >= 0, lookup[selection.clamp(min=0)], -1)
+            local = context_parallel.local_key_index(selection, cp.prefix_positions,
+                                                     state.prefix_len,
+                                                     context_parallel.branch_keys_counted_here(state))
             outs, lses = [], []
             for start in range(0, all_query.shape[0], state.query_block):
                 end = min(start + state.query_block, all_query.shape[0])
-                out, lse = select.kernels().sparse_mla_attention(
-                    all_query[start:end], key_latents, local[start:end], self.softmax_scale,
-                    self.config.kv_lora_rank)
+                out, lse = partials.sparse_mla(
+                    all_query[start:end], [prefix_latents, all_latents], local[start:end],
+                    self.softmax_scale, self.config.kv_lora_rank)
                 outs.append(out)
                 lses.append(lse)
             return torch.cat(outs), torch.cat(lses)

@@ -32,7 +32,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron_longstraw.kernels import select
-from megatron_longstraw.models import context_parallel
+from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
 from megatron_longstraw.state import AttentionPass
@@ -79,7 +79,7 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
 
         def attend(query_gate, key_value, positions, key_positions):
             (q, gate), (keys, values) = query_gate, key_value
-            out = self._attend(q, keys, values, positions, key_positions, state)
+            out = self._attend(q, [(keys, values, key_positions)], positions, state)
             return self.linear_proj(self._gate(out, gate))
 
         return self.causal_in_order(x, state, (KEY, VALUE), write_pages, rows, attend)
@@ -87,18 +87,18 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
     def _full_with_grad(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
         """The whole sequence under autograd (the full-sequence reference). -> [s, 1, heads * d]"""
         q, k, v, gate = self._project(x, state.positions)
-        return self._gate(self._attend(q, k, v, state.positions, state.positions, state), gate)
+        return self._gate(self._attend(q, [(k, v, state.positions)], state.positions, state), gate)
 
     def _replay(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
-        """The branch's queries over the captured pages plus its own rows. -> [s, 1, heads * d]"""
+        """The branch's queries over the captured pages plus its own rows, two parts of keys
+        (`models/partials.py`: no gradient buffer spans the prompt's rows). -> [s, 1, heads * d]"""
         q, k, v, gate = self._project(x, state.positions)
-        keys, values, key_positions = k, v, state.positions
+        parts = [(k, v, state.positions)]
         if state.prefix_len > 0:
-            keys = torch.cat([self.read_page(state, KEY, x.device, k.dtype), k])
-            values = torch.cat([self.read_page(state, VALUE, x.device, v.dtype), v])
-            key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
-                                       state.positions])
-        return self._gate(self._attend(q, keys, values, state.positions, key_positions, state), gate)
+            parts.insert(0, (self.read_page(state, KEY, x.device, k.dtype),
+                             self.read_page(state, VALUE, x.device, v.dtype),
+                             partials.prompt_key_positions(state.prefix_len, x.device)))
+        return self._gate(self._attend(q, parts, state.positions, state), gate)
 
     def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
         return self.linear_proj(self._replay_context_parallel(x, state))
@@ -116,7 +116,7 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         self.write_rows(state, VALUE, v)
         out, _ = context_parallel.ring_attention(
             state, k, v, lambda src_k, src_v, src_pos: self._attend(
-                q, src_k, src_v, state.positions, src_pos, state, return_lse=True))
+                q, [(src_k, src_v, src_pos)], state.positions, state, return_lse=True))
         return torch.cat([self.linear_proj(self._gate(out[s:s + block], gate[s:s + block]))[0]
                           for s in range(0, x.shape[0], block)]), None
 
@@ -127,12 +127,10 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         q, k, v, gate = self._project(x, state.positions)
 
         def attend(all_q, all_k, all_v):
-            keys = torch.cat([self.read_page(state, KEY, x.device, k.dtype), all_k])
-            values = torch.cat([self.read_page(state, VALUE, x.device, v.dtype), all_v])
-            key_positions = torch.cat([state.cp.prefix_positions,
-                                       context_parallel.branch_key_positions(state)])
-            return self._attend(all_q, keys, values, state.cp.branch_positions, key_positions,
-                                state, return_lse=True)
+            parts = [(self.read_page(state, KEY, x.device, k.dtype),
+                      self.read_page(state, VALUE, x.device, v.dtype), state.cp.prefix_positions),
+                     (all_k, all_v, context_parallel.branch_key_positions(state))]
+            return self._attend(all_q, parts, state.cp.branch_positions, state, return_lse=True)
 
         return self._gate(context_parallel.attend_branch(state, (q, k, v), attend), gate)
 
@@ -152,16 +150,15 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         rotated = select.kernels().apply_rope(rotated, positions, self.rotary_base, interleaved=False)
         return torch.cat([rotated, passed], dim=-1)
 
-    def _attend(self, q, keys, values, q_positions, key_positions, state, return_lse=False):
-        """Per query block over all given keys (causal by position). -> out [s, heads, d] (and
-        log-sum-exp [s, heads] with `return_lse`)."""
-        parts = []
+    def _attend(self, q, key_parts, q_positions, state, return_lse=False):
+        """Per query block over all given keys, in parts of (keys, values, key positions), causal
+        by position. -> out [s, heads, d] (and log-sum-exp [s, heads] with `return_lse`)."""
+        blocks = []
         for start in range(0, q.shape[0], state.query_block):
             end = min(start + state.query_block, q.shape[0])
-            parts.append(select.kernels().blockwise_attention(
-                q[start:end], keys, values, q_positions[start:end], key_positions, self.scale,
-                state.key_block))
-        out, lse = (torch.cat(p) for p in zip(*parts))
+            blocks.append(partials.blockwise(q[start:end], key_parts, q_positions[start:end],
+                                             self.scale, state.key_block))
+        out, lse = (torch.cat(p) for p in zip(*blocks))
         return (out, lse) if return_lse else out
 
     def _gate(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

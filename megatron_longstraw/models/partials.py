@@ -1,0 +1,100 @@
+"""Attention over keys held in parts: the captured prompt pages and the branch's own rows.
+
+Replay's keys are the prompt's pages ([P, ...], constant in the detached mode) and the branch's own
+rows ([R, ...], differentiable). Concatenating them and attending once would make the backward form
+a gradient of the whole concatenation (the `latents[indices]` gather, a blockwise kernel's `grad_k`
+/ `grad_v`) of which only the last R rows are used: a [P + R, d] buffer per layer and query block.
+Instead each part is attended on its own, and the partial results merge by log-sum-exp
+(`kernels/refs.merge_partial_attention`, differentiable), which is exact: softmax over a union of
+disjoint key sets. A constant part then gets no gradient buffer at all, and a differentiable one a
+buffer of its own size (docs/design.md section 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_longstraw.kernels import refs, select
+
+
+def prompt_key_positions(prefix_len: int, device) -> torch.Tensor:
+    """Key positions of the captured prompt's rows for a branch pass's causal mask: every prompt
+    key precedes every branch query, so one position (0) stands for all of them, expanded to
+    [prefix_len] without memory (the rows carry their RoPE already; the mask is all a position
+    does here). Not a table of P positions per layer."""
+    return torch.zeros(1, dtype=torch.long, device=device).expand(prefix_len)
+
+
+class _MergeByLSE(torch.autograd.Function):
+    """`refs.merge_partial_attention` with a backward of its own, so that what it saves is stated:
+    the partial outputs and log-sum-exps, the merged output and log-sum-exp (planner: the
+    families' replay lines). With w_i = exp(lse_i - lse), out = sum_i w_i out_i:
+    d out_i = w_i g,  d lse_i = w_i (g . (out_i - out) + g_lse)."""
+
+    @staticmethod
+    def forward(ctx, num_parts: int, *tensors):
+        outs, lses = tensors[:num_parts], tensors[num_parts:]
+        out, lse = refs.merge_partial_attention(list(outs), list(lses))
+        out = out.to(outs[0].dtype)
+        ctx.num_parts = num_parts
+        ctx.save_for_backward(out, lse, *outs, *lses)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        out, lse, *parts = ctx.saved_tensors
+        outs, lses = parts[:ctx.num_parts], parts[ctx.num_parts:]
+        acc = lse.dtype
+        grad = torch.zeros(out.shape, dtype=acc, device=out.device) if grad_out is None \
+            else grad_out.to(acc)
+        extra = 0.0 if grad_lse is None else grad_lse.to(acc).nan_to_num(0.0)
+        grads_out, grads_lse = [], []
+        for part_out, part_lse in zip(outs, lses):
+            weight = refs.lse_merge_weights(part_lse.to(acc), lse)
+            grads_out.append((weight[..., None] * grad).to(part_out.dtype))
+            moved = (grad * (part_out.to(acc) - out.to(acc))).sum(-1)
+            grads_lse.append((weight * (moved + extra)).to(part_lse.dtype))
+        return (None, *grads_out, *grads_lse)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One partial as it is; several merged by log-sum-exp. -> (out, lse)"""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return _MergeByLSE.apply(len(outs), *outs, *lses)
+
+
+def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torch.Tensor,
+               scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel selector's `sparse_mla_attention` over latent rows held in `parts` ([n_i, d_qk]
+    each); `indices` [s, k] index their concatenation (-1 = skip). -> (out [s, h, v_dim], lse)"""
+    outs, lses, first = [], [], 0
+    for rows in parts:
+        local = indices - first
+        local = torch.where((indices >= first) & (local < rows.shape[0]), local, -1)
+        if rows.shape[0] < local.shape[1]:
+            # A part of fewer rows than the selection is wide (the branch's own rows): at most
+            # that many selected keys are in it, so keep those columns (attention over a set:
+            # the order of the indices does not matter; -1 sorts last).
+            local = local.sort(dim=1, descending=True).values[:, :rows.shape[0]]
+        out, lse = select.kernels().sparse_mla_attention(query, rows, local, scale, v_dim)
+        outs.append(out)
+        lses.append(lse)
+        first += rows.shape[0]
+    return merge(outs, lses)
+
+
+def blockwise(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+              q_pos: torch.Tensor, scale: float, key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel selector's `blockwise_attention` of queries [s, heads, d] over key parts
+    (keys [t_i, groups, d], values [t_i, groups, d_v], key positions [t_i]), causal by position.
+    -> (out [s, heads, d_v], lse [s, heads])"""
+    outs, lses = [], []
+    for keys, values, key_pos in parts:
+        out, lse = select.kernels().blockwise_attention(q, keys, values, q_pos, key_pos, scale,
+                                                        key_block)
+        outs.append(out)
+        lses.append(lse)
+    return merge(outs, lses)

@@ -1,0 +1,130 @@
+"""Replay memory does not grow with the prompt, measured from the allocator (memory.LiveBytesMeter:
+every tensor allocation and free, inside checkpoint frames too) for the three families.
+
+Replay's own peak is the replay phase's peak live bytes minus what was live when it began (the
+pages and what capture and scoring left). With blocks far shorter than the prompt it is the same
+at P and 4P: the prompt's pages are read as they are (one page: a view on CPU) and attended as
+their own partial (models/partials.py), so no gradient buffer of [P + R, d] rows is ever formed,
+and the prompt's key positions are one expanded value. The bound asserted is a quarter of one
+layer's rows over the 3P added tokens: a [P + R, d] gradient (the previous code: 232, 1040 and
+1152 B per added token for the three tiny models) exceeds it, and the last test shows the meter
+catching exactly that."""
+
+import pytest
+import torch
+
+from helpers import build_tiny_glm, build_tiny_qwen
+from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.memory import LiveBytesMeter
+from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+P = 512
+BLOCKS = dict(key_block=64, query_block=16, token_block=64)
+
+
+def _build(family):
+    if family == "deepseekv3":
+        from test_deepseekv3 import build_tiny_deepseekv3
+
+        return build_tiny_deepseekv3(torch.float32)
+    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float32)
+
+
+def _row_bytes(family, cfg) -> int:
+    """Bytes of one token's rows that replay attends in one layer (fp32)."""
+    if family == "qwen36":
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+
+
+def _phases(model, vocab, prompt_len, members=2):
+    gen = torch.Generator().manual_seed(3)
+    group = GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
+                      response_ids=[torch.randint(0, vocab, (16,), generator=gen)
+                                    for _ in range(members)],
+                      rewards=torch.linspace(0, 1, members, dtype=torch.float64))
+    ls = LongStrawConfig(group_size=members, max_response_len=64, **BLOCKS)
+    with LiveBytesMeter("cpu") as meter:
+        forward_backward_longstraw(model, group, ls)
+    own = {}
+    for phase in meter.phases:
+        own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+    return own
+
+
+@pytest.fixture(scope="module", params=["glm52", "qwen36", "deepseekv3"])
+def family_model(request):
+    cfg, model = _build(request.param)
+    _phases(model, cfg.vocab_size, 128)   # warm-up: one-time allocations (caches, lazy state)
+    return request.param, cfg, model
+
+
+def test_replay_peak_live_bytes_flat_from_p_to_4p_and_in_group_size(family_model):
+    family, cfg, model = family_model
+    at_p, at_4p = _phases(model, cfg.vocab_size, P), _phases(model, cfg.vocab_size, 4 * P)
+    bound = _row_bytes(family, cfg) * 3 * P // 4
+    growth = at_4p["replay"] - at_p["replay"]
+    print(f"{family}: replay own peak {at_p['replay']} B at P={P}, {at_4p['replay']} B at "
+          f"P={4 * P} (growth {growth} B, bound {bound} B); scoring growth "
+          f"{at_4p['scoring'] - at_p['scoring']} B")
+    assert at_p["replay"] > 0
+    assert growth <= bound
+    # One member's graph at a time: the group size enters replay's peak only through per-member
+    # log-probs and statistics kept for the step (a few hundred bytes here).
+    assert abs(_phases(model, cfg.vocab_size, P, members=4)["replay"] - at_p["replay"]) <= 4096
+
+
+def test_scoring_peak_grows_at_most_by_the_index_key_window(family_model):
+    """Scoring computes the DSA top-k over the prompt's index keys (GLM-5.2): that layer's index
+    keys and positions ([P, index_head_dim] + int64, the stated window) are its only P-sized
+    tensors; the dense families hold none."""
+    family, cfg, model = family_model
+    growth = (_phases(model, cfg.vocab_size, 4 * P)["scoring"]
+              - _phases(model, cfg.vocab_size, P)["scoring"])
+    window = (cfg.index_head_dim * 4 + 8) * 3 * P if family == "glm52" else 0
+    assert growth <= window + _row_bytes(family, cfg) * 3 * P // 4
+
+
+def test_the_meter_catches_a_gradient_over_the_whole_key_axis(monkeypatch):
+    """The previous replay: prompt pages and own rows concatenated and attended once, so the
+    backward forms a gradient of all [P + R] rows. The bound of the test above fails on it."""
+    from megatron_longstraw.kernels import select
+    from megatron_longstraw.models import partials
+
+    def concatenated(query, parts, indices, scale, v_dim):
+        return select.kernels().sparse_mla_attention(query, torch.cat(list(parts)), indices,
+                                                     scale, v_dim)
+
+    cfg, model = _build("glm52")
+    _phases(model, cfg.vocab_size, 128)
+    monkeypatch.setattr(partials, "sparse_mla", concatenated)
+    growth = (_phases(model, cfg.vocab_size, 4 * P)["replay"]
+              - _phases(model, cfg.vocab_size, P)["replay"])
+    assert growth > _row_bytes("glm52", cfg) * 3 * P // 4
+
+
+def test_the_merge_backward_equals_autograd_through_the_composite_merge():
+    """partials._MergeByLSE (stated saved tensors, own backward) against autograd through
+    refs.merge_partial_attention, with an empty partial (lse = -inf) on one row (fp64)."""
+    from megatron_longstraw.kernels import refs
+    from megatron_longstraw.models import partials
+
+    gen = torch.Generator().manual_seed(0)
+    outs = [torch.randn(5, 3, 4, dtype=torch.float64, generator=gen) for _ in range(2)]
+    lses = [torch.randn(5, 3, dtype=torch.float64, generator=gen) for _ in range(2)]
+    lses[1][0, 0], outs[1][0, 0] = float("-inf"), 0.0
+    weights = (torch.randn(5, 3, 4, dtype=torch.float64, generator=gen),
+               torch.randn(5, 3, dtype=torch.float64, generator=gen))
+
+    def grads(merge):
+        leaves = [t.clone().requires_grad_() for t in outs + lses]
+        out, lse = merge(leaves[:2], leaves[2:])
+        return [out, lse], torch.autograd.grad((out * weights[0]).sum() + (lse * weights[1]).sum(),
+                                               leaves)
+
+    (out, lse), got = grads(partials.merge)
+    (ref_out, ref_lse), expected = grads(refs.merge_partial_attention)
+    assert torch.allclose(out, ref_out, rtol=0, atol=1e-15) and torch.equal(lse, ref_lse)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-14
