@@ -65,6 +65,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Rows per page of captured state.")
     group.add_argument("--longstraw-checkpoint-layers", action=argparse.BooleanOptionalAction,
                        default=None, help="Whole-decoder-layer activation checkpointing in replay.")
+    group.add_argument("--longstraw-prompt-grad", choices=("detached", "exact"), default=None,
+                       help="detached: the gradient at fixed prompt state (default); exact: "
+                            "also back-propagate through the prompt (standard GRPO's update; "
+                            "keeps every layer's prompt input in host memory).")
     group.add_argument("--longstraw-kernels", choices=KERNELS, default=None,
                        help="Kernel backend (auto picks the fastest available and logs it).")
     group.add_argument("--longstraw-token-block", type=int, default=None,
@@ -212,6 +216,7 @@ _FLAG_TO_FIELD = {
     "longstraw_offload_pages": "offload_pages",
     "longstraw_page_tokens": "page_tokens",
     "longstraw_checkpoint_layers": "checkpoint_layers",
+    "longstraw_prompt_grad": "prompt_grad",
     "longstraw_kernels": "kernels",
     "longstraw_token_block": "token_block",
     "longstraw_query_block": "query_block",

@@ -40,14 +40,33 @@ class CapturedPrompt:
     """Global positions of the rows this rank captured (its pages, in order)."""
     seconds: float
     """Wall time of the capture."""
+    backward: PromptBackwardInputs | None = None
+    """With `keep_for_backward` (the exact prompt gradient): what the prompt backward needs."""
+
+
+@dataclass
+class PromptBackwardInputs:
+    """What capture keeps for the exact prompt gradient (prompt_backward.py), in the pages'
+    storage (host memory when they are offloaded): every decoder layer's input over the captured
+    rows, each DSA source layer's selection, and the captured token ids."""
+
+    layer_inputs: list[torch.Tensor]
+    """[n_local, 1, hidden] per decoder layer (the input of its mixer's layer)."""
+    selections: dict[int, torch.Tensor]
+    """Global key positions [n_local, k] (int32) of every layer that computed a top-k."""
+    token_ids: torch.Tensor
+    """The captured rows' token ids [n_local]."""
 
 
 def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                    pages: PageStore | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> CapturedPrompt:
+                   progress: Callable[[int, int], None] | None = None,
+                   keep_for_backward: bool = False) -> CapturedPrompt:
     """Capture `prompt_ids` [P] (P >= 1, the whole prompt on every rank) into `pages` (a new store by
     default). Under context parallelism each rank captures its load-balanced shard. `progress(done,
-    total)` is called after each decoder layer (a progress bar on rank 0)."""
+    total)` is called after each decoder layer (a progress bar on rank 0). `keep_for_backward`:
+    also keep each layer's input and every top-k (`PromptBackwardInputs`: L x [P, hidden] more
+    host memory) for the exact prompt gradient."""
     start = time.perf_counter()
     layout = CPLayout.current()
     prefix = prompt_ids[:-1]
@@ -59,7 +78,10 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
     if pages is None:  # host pages streamed per layer, or (no offload) pages kept on the device
         pages = PageStore(page_tokens=cfg.page_tokens,
                           storage_device="cpu" if cfg.offload_pages else prompt_ids.device)
+    backward = None
     if num_captured > 0:
+        if keep_for_backward:
+            backward = PromptBackwardInputs([], {}, prefix[positions].to(pages.storage_device))
         # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
         longest = max(CPLayout(None, layout.size, r).prompt_positions(num_captured).numel()
                       for r in range(layout.size))
@@ -72,11 +94,18 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
             hidden = embed(model, prefix[positions])                # [n_local, 1, h]
             groups = decoder_groups(model)
             for layer_idx, group in enumerate(groups):
+                if backward is not None:
+                    backward.layer_inputs.append(hidden.to(pages.storage_device, copy=True))
                 hidden = run_group(group, hidden, num_chunks)
+                if backward is not None:   # capture keeps only the latest; the backward needs all
+                    for layer, selection in state.selections.items():
+                        if layer not in backward.selections:
+                            backward.selections[layer] = selection.to(pages.storage_device,
+                                                                      torch.int32)
                 if progress is not None:
                     progress(layer_idx + 1, len(groups))
         del hidden
         state.selections.clear()
     return CapturedPrompt(pages=pages, prefix_len=num_captured, last_token=int(prompt_ids[-1]),
                           layout=layout, positions=positions,
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start, backward=backward)

@@ -38,6 +38,11 @@ class LongStrawConfig:
     "auto,indexer=ref" or "sparse_mla=flashmla,sparse_mla_grad=triton" (kernels/select.py)."""
     checkpoint_layers: bool = True
     """Whole-decoder-layer activation checkpointing during replay."""
+    prompt_grad: str = "detached"
+    """The prompt state's gradient: "detached" (d loss / d theta at fixed prompt state, the
+    paper's) or "exact" (replay accumulates d loss / d state into the pages' cotangents, then a
+    prompt backward runs the prompt's layers in reverse: the update of standard GRPO;
+    prompt_backward.py)."""
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
     query_block: int = 1024
@@ -69,6 +74,9 @@ class LongStrawConfig:
                 hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
                         if isinstance(value, str) else "")
                 raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if self.prompt_grad not in PROMPT_GRAD_MODES:
+            raise ValueError(f"longstraw prompt_grad must be one of {list(PROMPT_GRAD_MODES)}, "
+                             f"got {self.prompt_grad!r}.")
         self.loss_config()  # validates the clip, KL and advantage settings
 
     def loss_config(self) -> GRPOLossConfig:
@@ -92,6 +100,8 @@ class LongStrawConfig:
         section = data.get("longstraw", {}) or {}
         return cls.from_dict({k: v for k, v in section.items() if k not in ADAPTER_KEYS})
 
+
+PROMPT_GRAD_MODES = ("detached", "exact")
 
 ADAPTER_KEYS = ("lora", "qlora", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
                 "lora_exclude")

@@ -350,6 +350,11 @@ class PageStore:
         t = self._leaves.get((layer_idx, kind))
         return None if t is None else t.grad
 
+    def pop_grad(self, layer_idx: int, kind: str) -> torch.Tensor | None:
+        """:meth:`grad`, and the leaf is dropped (the prompt backward has used its cotangent)."""
+        t = self._leaves.pop((layer_idx, kind), None)
+        return None if t is None else t.grad
+
     # ------------------------------------------------------------------ misc
     def clear(self) -> None:
         """Free all pages, fixed states, device copies and leaves."""

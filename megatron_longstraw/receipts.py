@@ -136,7 +136,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-LIVE_PHASES = ("step", "capture", "scoring", "replay")
+LIVE_PHASES = ("step", "capture", "scoring", "replay", "prompt_backward")
 """The phases whose peak live tensor bytes a step records (memory.LiveBytesMeter)."""
 
 

@@ -55,13 +55,15 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor) -> Branch:
 
 
 def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
-          selections: dict | None, mode: str = "replay") -> AttentionPass:
+          selections: dict | None, mode: str = "replay",
+          prompt_state_grad: bool = False) -> AttentionPass:
     cp = CPPass.for_branch(captured.layout, captured.positions, captured.prefix_len,
                            branch.padded_length)
     return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
                          reuse_selections=selections is not None, query_block=cfg.query_block,
-                         key_block=cfg.key_block, token_block=cfg.token_block, cp=cp)
+                         key_block=cfg.key_block, token_block=cfg.token_block, cp=cp,
+                         prompt_state_grad=prompt_state_grad)
 
 
 def _run_branch(model, captured: CapturedPrompt, branch: Branch, checkpoint_layers: bool):
@@ -112,7 +114,9 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     Returns the member's log-probs [R] (detached, whole member on every rank).
     """
     branch = make_branch(captured, response_ids)
-    state = _pass(captured, branch, cfg, selections=selections, mode="replay")
+    # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
+    state = _pass(captured, branch, cfg, selections=selections, mode="replay",
+                  prompt_state_grad=cfg.prompt_grad == "exact")
     with attention_pass(state):  # backward recomputes checkpointed layers: keep the pass installed
         logp = _run_branch(model, captured, branch, cfg.checkpoint_layers)
         num_valid = int(branch.valid.sum())

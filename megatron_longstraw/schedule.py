@@ -30,6 +30,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
 from megatron_longstraw import memory
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
+from megatron_longstraw.prompt_backward import check_supported, prompt_backward
 from megatron_longstraw.replay import replay_member, score_member
 
 
@@ -109,6 +110,7 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     layout = CPLayout.current()
     try:
         validate_inputs(model, group, cfg)
+        check_supported(cfg, layout.size)
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
                              "--longstraw-kl-coef 0).")
@@ -144,8 +146,10 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
 def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> StepResult:
     timings: dict[str, float] = {}
 
+    exact = cfg.prompt_grad == "exact" and not forward_only
     with memory.phase("capture"):
-        captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress)
+        captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress,
+                                  keep_for_backward=exact)
         ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
     timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
 
@@ -183,6 +187,11 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
             logps.append(logp)
             member_stats.append(stats)
     timings["replay"] = time.perf_counter() - start
+    if exact:
+        start = time.perf_counter()
+        with memory.phase("prompt_backward"):
+            prompt_backward(model, captured, cfg)
+        timings["prompt_backward"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
     stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])

@@ -14,7 +14,10 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              without autograd (pre-step scoring: logp_old, logp_ref, the DSA selections replay
              reuses).
 - `replay`:  the same pass under autograd (one member's training graph).
-The prompt backward and decoding will be two more modes of the same dispatch.
+- `prompt_backward`: the prompt again, under autograd, one decoder layer at a time (exact prompt
+             gradient, prompt_backward.py): each mixer attends as in capture, with capture's
+             selections, and hands the differentiable state it would write to `emitted`.
+Decoding will be one more mode of the same dispatch.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 
-Mode = Literal["full", "capture", "score", "replay"]
+Mode = Literal["full", "capture", "score", "replay", "prompt_backward"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
 
@@ -93,6 +96,9 @@ class AttentionPass:
     prompt_state_grad: bool = False
     """Read prompt pages as `requires_grad` leaves (`PageStore.leaf`) so that d loss / d state is
     available after backward: the hook for the exact prompt-gradient mode (docs/design.md section 7)."""
+    emitted: Optional[dict[tuple[int, str], torch.Tensor]] = None
+    """`prompt_backward`: each mixer's differentiable page state by (layer, kind), the tensors
+    whose cotangents replay accumulated on the pages."""
     used_selections: Optional[dict[int, torch.Tensor]] = None
     """When a dict, every layer records the top-k it attended with (tests, diagnostics)."""
     query_block: int = 1024

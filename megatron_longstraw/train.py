@@ -110,6 +110,12 @@ def resolve_lora(args, family: str, ls):
                 "run would need a frozen copy of the initial model, which the launcher does not "
                 "build. Set --longstraw-kl-coef 0 or train adapters.")
         return None, ls
+    if ls.prompt_grad == "exact" and lora.config.dropout > 0:
+        raise ValueError(f"--longstraw-lora-dropout {lora.config.dropout:g} with "
+                         "--longstraw-prompt-grad exact: the prompt backward recomputes the "
+                         "prompt's forward, which capture ran without dropout; a dropout sample "
+                         "there would differentiate another function. Set the dropout to 0 or "
+                         "use the detached prompt gradient.")
     dense = select.parse_spec(ls.kernels)["dense"]
     if dense == "te":
         raise ValueError(f"--longstraw-kernels {ls.kernels}: LoRA wraps Megatron's local linear "

@@ -206,7 +206,8 @@ def test_pretrain_gpt_runs_one_step(tmp_path):
     # Peak live tensor bytes per phase (memory.LiveBytesMeter), from the step's start: the pages
     # are live from capture on, so every phase after capture holds at least them.
     live = receipt["peak_live_bytes"]
-    assert set(live) == {"step", "capture", "scoring", "replay"}
+    assert set(live) == {"step", "capture", "scoring", "replay", "prompt_backward"}
+    assert live["prompt_backward"] == 0                     # detached: no prompt backward
     assert live["step"] == max(live.values())
     assert min(live["scoring"], live["replay"]) >= receipt["page_bytes_per_rank"] > 0
     assert "peak live tensors" in stdout

@@ -15,7 +15,9 @@ Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateA
    forward of a CP model would treat each rank's shard as a whole sequence);
 4. dispatches, once, on the mode to the family's method `forward_<mode>(hidden_states, state)`:
    `forward_full`, `forward_capture`, `forward_score` (default: `forward_replay`, which scoring
-   runs without autograd) and `forward_replay`; the prompt backward and decoding will be two more.
+   runs without autograd), `forward_replay` and `forward_prompt_backward` (the exact prompt
+   gradient: the prompt under autograd, handing its page state to `emit`); decoding will be one
+   more.
    When the prompt is sharded over CP, `forward_<mode>_sharded` is called instead where the family
    has one (the attention mixers' `models/context_parallel.py` pattern); a mixer without one
    handles CP in `forward_<mode>` (GDN's rows <-> heads exchange).
@@ -103,6 +105,11 @@ class StateAwareMixer:
     def write_state(self, state: AttentionPass, kind: str, tensor: torch.Tensor) -> None:
         """Store fixed-size state of `kind` (e.g. a recurrent state after the prefix)."""
         state.pages.put(self.layer_idx, kind, tensor)
+
+    def emit(self, state: AttentionPass, kind: str, tensor: torch.Tensor) -> None:
+        """`prompt_backward`: hand this layer's differentiable `kind` state (what capture wrote
+        with `write_rows` / `write_state`, as a function of the layer's input) to the driver."""
+        state.emitted[(self.layer_idx, kind)] = tensor
 
     # ---- the in-order causal loop -----------------------------------------------------------
 

@@ -62,6 +62,13 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state.positions, [(latents, state.positions)],
                                               state))
 
+    def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt under autograd (causal over its own rows); its latent rows go to `emit`."""
+        latents = self._latent_rows(x, state.positions)
+        self.emit(state, LATENT, latents)
+        return self._project_out(self._attend(x, state.positions, [(latents, state.positions)],
+                                              state))
+
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard): its latent rows become pages."""
         return self._causal_in_order(x, state, write_pages=True)

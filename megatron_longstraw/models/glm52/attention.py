@@ -90,6 +90,14 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                 index_keys, _ = context_parallel.gather_prompt_keys(index_keys, state)
         return self._project_out(self._attend(x, state, [latents], index_keys, positions))
 
+    def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt under autograd, attending as capture did with capture's selections (the
+        top-k is discrete: no gradient through it); its latent rows go to `emit` (index keys get
+        no cotangent: they only select)."""
+        latents, _ = self._token_rows(x, state)
+        self.emit(state, LATENT, latents)
+        return self._project_out(self._attend(x, state, [latents], None, state.positions))
+
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows: two parts of keys
         (`models/partials.py`: no gradient buffer spans the prompt's rows)."""

@@ -65,6 +65,14 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         return self._causal_in_order(x, state, write_pages=True)
 
+    def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt under autograd; its K and V rows (after norm and RoPE) go to `emit`."""
+        q, k, v, gate = self._project(x, state.positions)
+        self.emit(state, KEY, k)
+        self.emit(state, VALUE, v)
+        out = self._attend(q, [(k, v, state.positions)], state.positions, state)
+        return self.linear_proj(self._gate(out, gate))
+
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         return self.linear_proj(self._replay(x, state))
 

@@ -65,6 +65,18 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         return self._capture(x, state, self._exchange(x, state)), None
 
+    def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt under autograd from zero state; the state after it (recurrent state and
+        conv tail, what capture stores) goes to `emit`."""
+        if state.cp.size > 1:
+            raise ValueError("the exact prompt gradient runs with context parallel size 1 in this "
+                             "version; use --longstraw-prompt-grad detached under CP.")
+        conv_tail, recurrent = self._zero_state(x)
+        mixed, conv_tail, recurrent = self._mix(self.in_proj(x)[0], conv_tail, recurrent, True)
+        self.emit(state, GDN_STATE, recurrent[0])
+        self.emit(state, CONV_TAIL, conv_tail)
+        return self.out_proj(mixed)
+
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """From the captured prefix's state (zeros when nothing was captured)."""
         if state.prefix_len == 0:

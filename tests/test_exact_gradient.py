@@ -1,0 +1,120 @@
+"""The exact prompt gradient (prompt_backward.py, --longstraw-prompt-grad exact): the update of
+LongStraw equals plain autograd GRPO over the full [prompt; response] sequences, every parameter,
+for the three families (fp64, CP 1). The reference is built without capture or replay
+(tests/helpers.full_sequence_logprobs), so it checks the path, not the path against itself."""
+
+import pytest
+import torch
+
+from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
+from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
+from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+LENS = (1, 6, 17)
+
+
+def _build(family):
+    if family == "deepseekv3":
+        from test_deepseekv3 import build_tiny_deepseekv3
+
+        return build_tiny_deepseekv3(torch.float64)
+    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float64)
+
+
+def _group(vocab, prompt_len):
+    gen = torch.Generator().manual_seed(11)
+    return GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
+                     response_ids=[torch.randint(0, vocab, (n,), generator=gen) for n in LENS],
+                     rewards=torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64))
+
+
+def _full_autograd(model, group):
+    """d GRPO loss / d theta by autograd through full-sequence forwards (ratio 1: old = new)."""
+    model.zero_grad(set_to_none=True)
+    logps = [full_sequence_logprobs(model, group.prompt_ids, r) for r in group.response_ids]
+    grpo_loss(logps, [lp.detach() for lp in logps], group.rewards,
+              GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _longstraw(model, group, mode, **kw):
+    model.zero_grad(set_to_none=True)
+    ls = LongStrawConfig(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
+                         max_response_len=64, clip_eps_high=0.28, prompt_grad=mode, **kw)
+    forward_backward_longstraw(model, group, ls)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(got, ref):
+    assert got.keys() == ref.keys() and got
+    return max(float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)) for n in ref)
+
+
+# GLM-5.2's prompt is 19x its top-k with IndexShare layers (their selection comes from capture);
+# without layer checkpointing once (the page leaves are then read once per member, not twice).
+@pytest.mark.parametrize("family,prompt_len,checkpoint_layers", [
+    ("glm52", 300, True), ("glm52", 300, False), ("qwen36", 120, True), ("deepseekv3", 120, True)])
+def test_exact_mode_equals_full_sequence_autograd_for_every_parameter(family, prompt_len,
+                                                                      checkpoint_layers):
+    cfg, model = _build(family)
+    group = _group(cfg.vocab_size, prompt_len)
+    reference = _full_autograd(model, group)
+    exact = _longstraw(model, group, "exact", checkpoint_layers=checkpoint_layers)
+    worst = _worst(exact, reference)
+    detached = _worst(_longstraw(model, group, "detached", checkpoint_layers=checkpoint_layers),
+                      reference)
+    print(f"{family}: exact vs full autograd {worst:.2e} (detached: {detached:.2e})")
+    assert worst <= 1e-9
+    assert detached > 1e-6          # the prompt's share is real: detached is measurably off
+
+
+def test_exact_mode_with_lora_adapters_equals_full_sequence_autograd():
+    """LoRA on GLM-5.2's attention and MLP linears (B perturbed from its zero init so both A and B
+    get gradients; no dropout): the adapters' exact gradients equal full-sequence autograd."""
+    from megatron_longstraw.adapters import LoRAConfig, apply_lora
+    from megatron_longstraw.models.glm52.family import LORA_TARGETS
+
+    cfg, model = _build("glm52")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=LORA_TARGETS))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    group = _group(cfg.vocab_size, 200)
+    reference = _full_autograd(model, group)
+    assert reference and all("lora" in n for n in reference)
+    worst = _worst(_longstraw(model, group, "exact"), reference)
+    print(f"glm52 LoRA: exact vs full autograd {worst:.2e}")
+    assert worst <= 1e-9
+
+
+def test_exact_mode_is_refused_under_context_parallelism():
+    from megatron_longstraw.prompt_backward import check_supported
+
+    check_supported(LongStrawConfig(prompt_grad="exact"), 1)
+    with pytest.raises(ValueError, match="context parallel size 1 in this version"):
+        check_supported(LongStrawConfig(prompt_grad="exact"), 2)
+    with pytest.raises(ValueError, match="prompt_grad must be one of"):
+        LongStrawConfig(prompt_grad="full")
+
+
+def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path):
+    from pathlib import Path
+
+    from megatron_longstraw import train
+    from megatron_longstraw.errors import ConfigError
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "glm52" / "tiny.yaml")
+    flags = ["--longstraw", "--longstraw-config", tiny, "--longstraw-synthetic-prompt-len", "64",
+             "--longstraw-synthetic-response-len", "4", "--longstraw-group-size", "2",
+             "--longstraw-dtype", "fp32", "--lr", "1e-3", "--longstraw-out-dir", str(tmp_path),
+             "--longstraw-run-name", "t", "--longstraw-prompt-grad", "exact"]
+    receipt = train.main(flags)
+    assert receipt["phase_seconds"]["prompt_backward"] > 0
+    assert receipt["peak_live_bytes"]["prompt_backward"] > 0
+    with pytest.raises((ValueError, ConfigError), match="recomputes the prompt's forward"):
+        train.main(flags + ["--longstraw-lora", "--longstraw-lora-dropout", "0.1"])
