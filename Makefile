@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 test bench refresh-pins clean
+.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 test bench gradient-bias refresh-pins clean
 
 # Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
 # what the last green run had. `make refresh-pins` moves the pins forward.
@@ -65,6 +65,11 @@ test: $(VENV)/.installed
 # LongStraw against conventional GRPO on CPU (tiny GLM-5.2): table, JSON and plot in runs/bench/.
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --quick
+
+# Detached vs exact prompt gradient (tiny GLM-5.2, one process): JSON, table, TensorBoard and a
+# PNG in runs/gradient-bias/.
+gradient-bias: $(VENV)/.installed
+	OMP_NUM_THREADS=2 $(PY) tools/gradient_bias.py --family $(MODEL) --lora --out runs/gradient-bias
 
 # A new .venv with the newest versions the registry serves (setup.py's ranges), constraints.txt
 # rewritten from it, then the suite. Commit constraints.txt only if the suite passes.

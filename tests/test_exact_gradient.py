@@ -53,10 +53,10 @@ def _worst(got, ref):
     return max(float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)) for n in ref)
 
 
-# GLM-5.2's prompt is 19x its top-k with IndexShare layers (their selection comes from capture);
+# GLM-5.2's prompt is 10x its top-k with IndexShare layers (their selection comes from capture);
 # without layer checkpointing once (the page leaves are then read once per member, not twice).
 @pytest.mark.parametrize("family,prompt_len,checkpoint_layers", [
-    ("glm52", 300, True), ("glm52", 300, False), ("qwen36", 120, True), ("deepseekv3", 120, True)])
+    ("glm52", 160, True), ("glm52", 160, False), ("qwen36", 64, True), ("deepseekv3", 64, True)])
 def test_exact_mode_equals_full_sequence_autograd_for_every_parameter(family, prompt_len,
                                                                       checkpoint_layers):
     cfg, model = _build(family)
@@ -84,7 +84,7 @@ def test_exact_mode_with_lora_adapters_equals_full_sequence_autograd():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    group = _group(cfg.vocab_size, 200)
+    group = _group(cfg.vocab_size, 96)
     reference = _full_autograd(model, group)
     assert reference and all("lora" in n for n in reference)
     worst = _worst(_longstraw(model, group, "exact"), reference)
