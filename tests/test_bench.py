@@ -26,7 +26,7 @@ def test_bench_one_point_both_methods(tmp_path):
     data, stdout = _run(tmp_path, "--points", "128", "--groups", "2", "--response-len", "4",
                         "--jobs", "2")
     results = {r["method"]: r for r in data["results"]}
-    assert set(results) == {"longstraw", "conventional"}
+    assert set(results) == {"longstraw", "longstraw-exact", "conventional"}
     assert not any("error" in r for r in results.values()), results
     ls, conv = results["longstraw"], results["conventional"]
     # Pages of the tiny GLM-5.2 in fp32: 127 captured rows x (8 x 40 + 4 x 16) values x 4 bytes.
@@ -43,7 +43,15 @@ def test_bench_one_point_both_methods(tmp_path):
         assert r["peak_rss_bytes"] >= r["base_rss_bytes"] > 0 and r["step_seconds"] > 0
     # The child environment the sweep promises.
     assert data["settings"]["child_env"]["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+    # The exact prompt gradient against the detached one: its phases, its extra phase.
+    exact = results["longstraw-exact"]
+    assert exact["logps"] == ls["logps"] and exact["page_bytes"] == ls["page_bytes"]
+    assert set(exact["live_phase_bytes"]) == {"capture", "scoring", "replay", "prompt_backward"}
+    assert set(ls["live_phase_bytes"]) == {"capture", "scoring", "replay"}
+    versus = data["summary"]["exact_vs_detached"]["P=128 G=2"]
+    assert versus["step_time_ratio"] > 0 and versus["live_peak_ratio"] > 0
     table = (tmp_path / "bench.md").read_text()
+    assert "Exact vs detached prompt gradient" in table
     assert "| longstraw | 128 | 2 |" in table and "| conventional | 128 | 2 |" in table
     assert "Conventional recompute:" in table and table.strip() in stdout
     png = (tmp_path / "bench_memory.png").read_bytes()

@@ -6,7 +6,10 @@ weights, same data.
 
 Methods (each point (method, P, G) runs in a fresh process: `bench.py --one ...` prints one JSON line):
 - longstraw: `forward_backward_longstraw` (capture once, score, serial replay with whole-layer
-  checkpointing);
+  checkpointing), the detached prompt gradient;
+- longstraw-exact: the same with `prompt_grad = "exact"` (prompt_backward.py: the prompt's layers
+  recomputed in reverse, standard GRPO's gradient); the report gives its step time and peak live
+  bytes per phase against the detached run at the same P and G;
 - conventional: what Megatron-based RL frameworks do today: log-probs of the sampling policy from a
   no-grad forward of each `[prompt; response_i]`, then one forward-backward per member (a
   micro-batch of one sequence, gradients accumulated over the G members) through the plain
@@ -23,9 +26,10 @@ Both use the same attention blocks (query 1024, key 4096: the plain forward's de
 method runs the optimizer step (the same cost for both). Children run with
 OMP_NUM_THREADS=1 and MALLOC_MMAP_THRESHOLD_=1048576 (RSS drift).
 
-Memory: per-process peak RSS (ru_maxrss: weights, pages, activations, allocator slack) and the
-peak of live saved-tensor bytes (`memory.SavedTensorMeter`: what autograd holds outside checkpoint
-frames). The largest P under `--cap-gib` is predicted from measured growth: the peak RSS of the
+Memory: per-process peak RSS (ru_maxrss: weights, pages, activations, allocator slack), the peak
+of live saved-tensor bytes (`memory.SavedTensorMeter`: what autograd holds outside checkpoint
+frames) and the peak of live tensor bytes from the allocator, per phase for LongStraw
+(`memory.LiveBytesMeter`: every allocation, inside checkpoint frames too). The largest P under `--cap-gib` is predicted from measured growth: the peak RSS of the
 largest measured P plus a least-squares slope over the points at P >= one key block (below it the
 indexer-score scratch still grows), never below the captured page bytes per token (they persist to
 the end of the step); the report says how far it extrapolates. (No RLIMIT_AS run: the DSA indexer
@@ -45,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MiB = 2 ** 20
-METHODS = ("longstraw", "conventional")
+METHODS = ("longstraw", "longstraw-exact", "conventional")
 
 
 # ---- one point (child process) ------------------------------------------------------------------
@@ -120,7 +124,12 @@ def run_one(args) -> dict:
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.data import synthetic_group
     from megatron_longstraw.families import get_family
-    from megatron_longstraw.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes
+    from megatron_longstraw.memory import (
+        LiveBytesMeter,
+        SavedTensorMeter,
+        current_rss_bytes,
+        peak_rss_bytes,
+    )
     from megatron_longstraw.schedule import forward_backward_longstraw
 
     parallel.initialize(seed=args.seed)
@@ -143,7 +152,9 @@ def run_one(args) -> dict:
     group.response_ids = [torch.cat([r, pad(i, args.response_len - r.numel())])
                           for i, r in enumerate(group.response_ids)]
     recompute = "whole-decoder-layer checkpointing in replay (replay.py)"
-    if args.method != "longstraw":
+    if args.method == "longstraw-exact":
+        ls.prompt_grad = "exact"
+    elif args.method != "longstraw":
         model.config.recompute_granularity = "full"
         model.config.recompute_method = "uniform"
         model.config.recompute_num_layers = 1
@@ -151,8 +162,8 @@ def run_one(args) -> dict:
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     base_rss = current_rss_bytes()
     start = time.perf_counter()
-    with SavedTensorMeter(model) as meter:
-        if args.method == "longstraw":
+    with SavedTensorMeter(model) as meter, LiveBytesMeter("cpu") as live:
+        if args.method.startswith("longstraw"):
             result = forward_backward_longstraw(model, group, ls)
             out = {"logps": result.logps, "phase_seconds": result.phase_seconds,
                    "loss": result.loss, "page_bytes": result.page_bytes}
@@ -166,6 +177,7 @@ def run_one(args) -> dict:
         "response_lens": [int(r.numel()) for r in group.response_ids], "recompute": recompute,
         "peak_rss_bytes": peak_rss_bytes(), "base_rss_bytes": base_rss,
         "saved_peak_bytes": meter.peak_bytes, "page_bytes": out["page_bytes"],
+        "live_peak_bytes": live.peak_bytes, "live_phase_bytes": live.phase_peaks,
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
         "param_checksum": checksum, "threads": torch.get_num_threads(),
@@ -218,7 +230,8 @@ def summarise(results: list[dict], cap_bytes: int, fit_min_prompt: int = 4096) -
     methods = sorted({r["method"] for r in ok}, key=METHODS.index)
     groups = sorted({r["group_size"] for r in ok})
     summary: dict = {"cap_bytes": cap_bytes, "largest_prompt_under_cap": {},
-                     "memory_g_growth": {}, "step_time_ratio": {}, "fidelity": {}}
+                     "memory_g_growth": {}, "step_time_ratio": {}, "fidelity": {},
+                     "exact_vs_detached": {}}
     for method in methods:
         slopes = {}
         for g in groups:
@@ -266,6 +279,14 @@ def summarise(results: list[dict], cap_bytes: int, fit_min_prompt: int = 4096) -
                 "same_weights": r["param_checksum"] == conv["param_checksum"],
                 # LongStraw's gradient holds the prompt state constant; conventional's does not.
                 "grad_norm_rel_diff": abs(r["grad_norm"] - conv["grad_norm"]) / conv["grad_norm"]}
+    for (m, p, g), r in by.items():
+        detached = by.get(("longstraw", p, g))
+        if m == "longstraw-exact" and detached:
+            summary["exact_vs_detached"][f"P={p} G={g}"] = {
+                "step_time_ratio": r["step_seconds"] / detached["step_seconds"],
+                "live_peak_ratio": r["live_peak_bytes"] / max(detached["live_peak_bytes"], 1),
+                "live_phase_bytes_exact": r["live_phase_bytes"],
+                "live_phase_bytes_detached": detached["live_phase_bytes"]}
     lim = summary["largest_prompt_under_cap"]
     for g in groups:
         ls, conv = lim.get(f"longstraw G={g}", {}), lim.get(f"conventional G={g}", {})
@@ -276,20 +297,22 @@ def summarise(results: list[dict], cap_bytes: int, fit_min_prompt: int = 4096) -
 
 def markdown(results: list[dict], summary: dict) -> str:
     lines = ["| method | P | G | peak RSS (MiB) | RSS growth in step (MiB) | peak saved tensors (MiB) "
-             "| pages (MiB) | step (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak live tensors (MiB) | pages (MiB) | step (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = lambda r: (METHODS.index(r["method"]), r["prompt_len"], r["group_size"])
     for r in sorted(results, key=order):
         if "error" in r:
             lines.append(f"| {r['method']} | {r['prompt_len']} | {r['group_size']} | "
-                         f"error: {r['error']} |||||")
+                         f"error: {r['error']} ||||||")
             continue
         growth = (r["peak_rss_bytes"] - r["base_rss_bytes"]) / MiB
         lines.append(
             f"| {r['method']} | {r['prompt_len']} | {r['group_size']} | "
             f"{r['peak_rss_bytes'] / MiB:.1f} | {growth:.1f} | {r['saved_peak_bytes'] / MiB:.2f} "
-            f"| {r['page_bytes'] / MiB:.2f} | {r['step_seconds']:.2f} |")
+            f"| {r['live_peak_bytes'] / MiB:.2f} | {r['page_bytes'] / MiB:.2f} "
+            f"| {r['step_seconds']:.2f} |")
     recompute = sorted({r["recompute"] for r in results
-                        if "recompute" in r and r["method"] != "longstraw"})
+                        if "recompute" in r and not r["method"].startswith("longstraw")})
     lines += ["", f"Conventional recompute: {'; '.join(recompute) or 'n/a'}.",
               f"Memory cap {summary['cap_bytes'] / MiB:.0f} MiB per process; largest prompt under it "
               "predicted from measured growth (peak RSS at the largest measured P plus a "
@@ -313,13 +336,23 @@ def markdown(results: list[dict], summary: dict) -> str:
               f"same weights: {summary['fidelity'][k]['same_weights']}; gradient-norm gap of the "
               f"detached prompt state {summary['fidelity'][k]['grad_norm_rel_diff']:.2%})"
               for k, v in summary["step_time_ratio"].items()]
+    if summary["exact_vs_detached"]:
+        lines += ["", "Exact vs detached prompt gradient at equal P, G: step time ratio, peak live "
+                  "tensor bytes ratio, and per phase (MiB, exact / detached; from the step's "
+                  "start, pages included):"]
+        for key, v in summary["exact_vs_detached"].items():
+            ex, de = v["live_phase_bytes_exact"], v["live_phase_bytes_detached"]
+            phases = ", ".join(f"{ph} {ex[ph] / MiB:.1f} / {de.get(ph, 0) / MiB:.1f}" for ph in ex)
+            lines.append(f"- {key}: time x{v['step_time_ratio']:.2f}, live x"
+                         f"{v['live_peak_ratio']:.2f} ({phases})")
     return "\n".join(lines)
 
 
 # ---- PNG (matplotlib, the bench extra) -----------------------------------------------------------
 
 
-_COLORS = {"longstraw": (31, 119, 180), "conventional": (214, 39, 40)}
+_COLORS = {"longstraw": (31, 119, 180), "longstraw-exact": (44, 160, 44),
+           "conventional": (214, 39, 40)}
 
 
 def _series(results):
@@ -374,7 +407,7 @@ def parse_args(argv=None):
                         "32K; quick: 12K)")
     p.add_argument("--groups", default="2,8")
     p.add_argument("--response-len", type=int, default=32)
-    p.add_argument("--methods", default="longstraw,conventional")
+    p.add_argument("--methods", default="longstraw,longstraw-exact,conventional")
     p.add_argument("--large-group-max-prompt", type=int, default=None,
                    help="run groups larger than the smallest only at P up to this")
     p.add_argument("--fit-min-prompt", type=int, default=4096,
@@ -419,7 +452,7 @@ def main(argv=None) -> dict:
     todo = [(m, p, g) for p in points for m in methods for g in groups
             if (m == "longstraw" or not args.conventional_max_prompt or p <= args.conventional_max_prompt)
             and (g == min(groups) or not args.large_group_max_prompt or p <= args.large_group_max_prompt)]
-    todo += [("longstraw", p, min(groups)) for p in extra if "longstraw" in methods]
+    todo += [(m, p, min(groups)) for p in extra for m in METHODS[:2] if m in methods]
 
     def one(point):
         r = run_point(args, *point)
