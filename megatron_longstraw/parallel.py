@@ -178,6 +178,31 @@ def gather_sequence(rows: torch.Tensor, positions: torch.Tensor, total: int,
     return out
 
 
+class _GatherSequence(torch.autograd.Function):
+    """`gather_sequence` with a backward: the gradient of the whole sequence is summed over the
+    ranks (each rank's attention read every row) and each rank keeps its own positions' rows."""
+
+    @staticmethod
+    def forward(ctx, rows, positions, total, layout):
+        ctx.positions, ctx.layout = positions, layout
+        return gather_sequence(rows.detach(), positions, total, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.layout.group)
+        return grad[ctx.positions], None, None, None
+
+
+def gather_sequence_differentiable(rows: torch.Tensor, positions: torch.Tensor, total: int,
+                                   layout: CPLayout) -> torch.Tensor:
+    """`gather_sequence` under autograd: the cotangents of every rank's reads of the gathered
+    rows reach the rows' owner (all-reduce, then each rank's own rows)."""
+    if layout.size == 1:
+        return rows
+    return _GatherSequence.apply(rows, positions, total, layout)
+
+
 @torch.no_grad()
 def merge_topk_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int,
                           layout: CPLayout) -> torch.Tensor:

@@ -17,10 +17,15 @@ Detached replay computes d loss / d theta at fixed prompt state z_P. The exact g
    gradients. The top layer's prompt outputs feed nothing (the loss reads response rows only), so
    the running cotangent starts at zero; after layer 0 it goes into the embedding.
 
-MoE routing is recomputed as in the forward (same input, same experts). The recompute is one
-layer over the whole prompt at a time: memory O(P) for that layer's graph (a block-wise prompt
-backward is the next step; the planner does not count this mode yet). Context parallelism is
-refused in this mode for now.
+MoE routing is recomputed as in the forward (same input, same experts; under EP the same
+dispatch collectives on every rank). Under context parallelism each rank recomputes its prompt
+shard: the attention gathers the whole prompt's key rows under autograd, so each key's cotangent,
+summed over the ranks whose queries read it, returns to its owner
+(`parallel.gather_sequence_differentiable`); GDN exchanges rows and heads as in capture
+(differentiable both ways); each rank's pages, and so their cotangents, are its own. Parameter
+gradients are partial per rank, summed by finalize.py like replay's. The recompute is one layer
+over the whole prompt (shard) at a time: memory O(P) for that layer's graph (a block-wise prompt
+backward is the next step; the planner does not count this mode yet).
 """
 
 from __future__ import annotations
@@ -30,14 +35,7 @@ import torch
 from megatron_longstraw.capture import CapturedPrompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
-from megatron_longstraw.state import AttentionPass, attention_pass
-
-
-def check_supported(cfg: LongStrawConfig, cp_size: int) -> None:
-    """Refuse settings the exact mode does not run with (before any work)."""
-    if cfg.prompt_grad == "exact" and cp_size > 1:
-        raise ValueError(f"--longstraw-prompt-grad exact runs with context parallel size 1 in this "
-                         f"version (got {cp_size}); use --longstraw-prompt-grad detached under CP.")
+from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
 
 
 def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> None:
@@ -55,6 +53,7 @@ def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> No
         x = kept.layer_inputs[layer_idx].to(device).requires_grad_()
         state = AttentionPass(
             mode="prompt_backward", positions=captured.positions.to(device), pages=pages,
+            cp=CPPass.for_capture(captured.layout, captured.prefix_len),
             selections={layer: sel.to(device, torch.long) for layer, sel in kept.selections.items()},
             reuse_selections=True, query_block=cfg.query_block, key_block=cfg.key_block,
             token_block=cfg.token_block, emitted={})

@@ -30,7 +30,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
 from megatron_longstraw import memory
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
-from megatron_longstraw.prompt_backward import check_supported, prompt_backward
+from megatron_longstraw.prompt_backward import prompt_backward
 from megatron_longstraw.replay import replay_member, score_member
 
 
@@ -110,7 +110,6 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     layout = CPLayout.current()
     try:
         validate_inputs(model, group, cfg)
-        check_supported(cfg, layout.size)
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
                              "--longstraw-kl-coef 0).")

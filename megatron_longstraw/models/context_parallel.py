@@ -41,6 +41,13 @@ def gather_prompt_keys(rows: torch.Tensor, state: AttentionPass) -> tuple[torch.
     return gathered, torch.arange(total, device=rows.device)
 
 
+def gather_prompt_keys_differentiable(rows: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+    """Prompt backward: `gather_prompt_keys`' rows under autograd (each key's cotangent, summed
+    over the ranks whose queries read it, returns to its owner). -> [global_len, ...]"""
+    return parallel.gather_sequence_differentiable(rows, state.positions, state.cp.global_len,
+                                                   state.cp.layout)
+
+
 def ring_attention(state: AttentionPass, keys: torch.Tensor, values: torch.Tensor,
                    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]) -> tuple:
     """Capture: this rank's queries over every rank's K/V shard, one shard at a time. `keys` /

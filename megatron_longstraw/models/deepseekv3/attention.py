@@ -63,11 +63,15 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
                                               state))
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
-        """The prompt under autograd (causal over its own rows); its latent rows go to `emit`."""
+        """The prompt (this rank's shard) under autograd, causal over the whole prompt's rows
+        (gathered under autograd under CP); its latent rows go to `emit`."""
         latents = self._latent_rows(x, state.positions)
         self.emit(state, LATENT, latents)
-        return self._project_out(self._attend(x, state.positions, [(latents, state.positions)],
-                                              state))
+        keys, positions = latents, state.positions
+        if state.cp.size > 1:
+            keys = context_parallel.gather_prompt_keys_differentiable(latents, state)
+            positions = torch.arange(state.cp.global_len, device=x.device)
+        return self._project_out(self._attend(x, state.positions, [(keys, positions)], state))
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard): its latent rows become pages."""

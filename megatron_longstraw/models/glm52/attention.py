@@ -91,12 +91,17 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state, [latents], index_keys, positions))
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
-        """The prompt under autograd, attending as capture did with capture's selections (the
-        top-k is discrete: no gradient through it); its latent rows go to `emit` (index keys get
-        no cotangent: they only select)."""
+        """The prompt (this rank's shard) under autograd, attending as capture did with capture's
+        selections (the top-k is discrete: no gradient through it); its latent rows go to `emit`
+        (index keys get no cotangent: they only select). Under CP the whole prompt's latent rows
+        are gathered under autograd: each row's cotangent returns to its owner."""
         latents, _ = self._token_rows(x, state)
         self.emit(state, LATENT, latents)
-        return self._project_out(self._attend(x, state, [latents], None, state.positions))
+        keys, positions = latents, state.positions
+        if state.cp.size > 1:
+            keys = context_parallel.gather_prompt_keys_differentiable(latents, state)
+            positions = torch.arange(state.cp.global_len, device=x.device)
+        return self._project_out(self._attend(x, state, [keys], None, positions))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows: two parts of keys

@@ -66,11 +66,17 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         return self._causal_in_order(x, state, write_pages=True)
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
-        """The prompt under autograd; its K and V rows (after norm and RoPE) go to `emit`."""
+        """The prompt (this rank's shard) under autograd over the whole prompt's K/V (gathered
+        under autograd under CP); its K and V rows (after norm and RoPE) go to `emit`."""
         q, k, v, gate = self._project(x, state.positions)
         self.emit(state, KEY, k)
         self.emit(state, VALUE, v)
-        out = self._attend(q, [(k, v, state.positions)], state.positions, state)
+        keys, values, positions = k, v, state.positions
+        if state.cp.size > 1:
+            keys = context_parallel.gather_prompt_keys_differentiable(k, state)
+            values = context_parallel.gather_prompt_keys_differentiable(v, state)
+            positions = torch.arange(state.cp.global_len, device=x.device)
+        out = self._attend(q, [(keys, values, positions)], state.positions, state)
         return self.linear_proj(self._gate(out, gate))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):

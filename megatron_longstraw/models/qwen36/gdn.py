@@ -66,16 +66,16 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         return self._capture(x, state, self._exchange(x, state)), None
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
-        """The prompt under autograd from zero state; the state after it (recurrent state and
-        conv tail, what capture stores) goes to `emit`."""
-        if state.cp.size > 1:
-            raise ValueError("the exact prompt gradient runs with context parallel size 1 in this "
-                             "version; use --longstraw-prompt-grad detached under CP.")
+        """The prompt under autograd from zero state (under CP: every row, this rank's heads,
+        through the differentiable rows <-> heads exchange); the state after it (recurrent state
+        and conv tail of this rank's heads, what capture stores) goes to `emit`."""
+        exchange = self._exchange(x, state)
         conv_tail, recurrent = self._zero_state(x)
-        mixed, conv_tail, recurrent = self._mix(self.in_proj(x)[0], conv_tail, recurrent, True)
+        projected = self._to_heads(self.in_proj(x)[0], exchange)
+        mixed, conv_tail, recurrent = self._mix(projected, conv_tail, recurrent, True)
         self.emit(state, GDN_STATE, recurrent[0])
         self.emit(state, CONV_TAIL, conv_tail)
-        return self.out_proj(mixed)
+        return self.out_proj(self._to_rows(mixed, exchange))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """From the captured prefix's state (zeros when nothing was captured)."""
@@ -124,7 +124,7 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         cp = state.cp
         if cp.size == 1:
             return None
-        if state.mode == "capture":
+        if state.mode in ("capture", "prompt_backward"):
             return HeadParallel.for_prompt(cp.layout, cp.global_len, x.device)
         return HeadParallel.for_branch(cp.layout, cp.branch_len, x.device)
 
