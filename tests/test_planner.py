@@ -383,3 +383,28 @@ def test_cli_qwen36_full_size(tmp_path):
     assert figures["host_page_bytes_per_rank_logical"] == rows * 65536 + fixed
     assert figures["host_page_bytes_per_rank"] == math.ceil(rows / 65536) * 65536 * 65536 + fixed
     assert figures["device_fits"] and figures["max_prompt_len_device"] > 1_000_000
+
+
+@pytest.mark.parametrize("family", ["glm52", "qwen36"])
+@pytest.mark.parametrize("prompt_len", [100, 300])
+def test_prompt_backward_inputs_equal_what_capture_keeps(family, prompt_len):
+    """The exact prompt gradient's host line: every layer's input, the token ids and (GLM-5.2)
+    every full indexer layer's selection, as capture keeps them (fp32, CP 1), exactly."""
+    from helpers import build_tiny_qwen
+
+    cfg, model = (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float32)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    kept = capture_prompt(model, prompt, LongStrawConfig(group_size=2),
+                          keep_for_backward=True).backward
+    measured = (sum(t.numel() * t.element_size() for t in kept.layer_inputs)
+                + kept.token_ids.numel() * kept.token_ids.element_size()
+                + sum(t.numel() * t.element_size() for t in kept.selections.values()))
+    assert planner.prompt_backward_inputs_bytes(cfg, prompt_len - 1, 4, prompt_len) == measured
+    spec = (_qwen_spec(cfg, prompt_len, 8, 4) if family == "qwen36"
+            else _tiny_spec(cfg, prompt_len, 8))
+    exact = planner.plan(dataclasses.replace(spec, prompt_grad="exact"), search_max=False)
+    detached = planner.plan(spec, search_max=False)
+    assert sum(i.bytes for i in exact.host_items) - sum(i.bytes for i in detached.host_items) \
+        == pytest.approx(planner.prompt_backward_inputs_bytes(cfg, prompt_len - 1, spec.act_bytes,
+                                                               prompt_len))
+    assert "prompt backward" in exact.phase_totals

@@ -77,6 +77,9 @@ def parse_args(argv=None):
                    help="distributed optimizer: master weights and moments sharded over DP x CP")
     p.add_argument("--kl", action="store_true", help="a reference capture for the KL term")
     p.add_argument("--moe-imbalance", type=float, default=1.0)
+    p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
+                   help="exact: add what the exact prompt gradient keeps (host: layer inputs; "
+                        "device: page leaves and cotangents)")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -105,7 +108,7 @@ def build_spec(args) -> planner.PlanSpec:
         token_block=blocks.token_block, query_block=blocks.query_block, key_block=blocks.key_block,
         gpu_bytes=args.gpu, device_reserve=args.device_reserve, host_bytes=args.host_memory,
         ranks_per_node=args.ranks_per_node, host_reserve_per_rank=args.host_reserve,
-        moe_imbalance=args.moe_imbalance)
+        moe_imbalance=args.moe_imbalance, prompt_grad=args.prompt_grad)
 
 
 def main(argv=None) -> dict:

@@ -36,6 +36,7 @@ from megatron_longstraw import families as _registry
 from megatron_longstraw.planner.common import (
     DTYPE_BYTES, Footprint, GPU_BYTES, GiB, Item, MiB, PageKind, ParamGroup, PlanSpec,
     TRAINABLE, local_prompt_rows, lse_merge_saved, page_bytes, phase_bytes,
+    prompt_backward_inputs_bytes,
 )
 from megatron_longstraw.planner.glm52 import (
     glm52, glm52_pages, glm52_params, glm52_replay_saved,
@@ -71,6 +72,7 @@ __all__ = [
     "page_bytes",
     "phase_bytes",
     "plan",
+    "prompt_backward_inputs_bytes",
     "qwen36",
     "qwen36_pages",
     "qwen36_params",
@@ -202,10 +204,12 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
              optimizer_bytes * (dense / shard + expert)),
     ]
     static_total = sum(i.bytes for i in static)
-    totals = {p: static_total + phase_bytes(items) for p, items in fp.phases.items()}
-    peak_phase = max(totals, key=totals.get)
     rows = local_prompt_rows(prompt_len, spec.cp)
     logical, allocated = page_bytes(fp.pages, rows, spec.page_tokens)
+    if spec.prompt_grad == "exact":
+        fp = _with_prompt_backward(spec, fp, prompt_len, rows, logical)
+    totals = {p: static_total + phase_bytes(items) for p, items in fp.phases.items()}
+    peak_phase = max(totals, key=totals.get)
     copies = 2 if spec.kl else 1
     per_token = sum(p.row_bytes * p.num_layers for p in fp.pages if p.sequence)
     return Plan(spec=spec, static=static, phases=fp.phases, phase_totals=totals,
@@ -216,6 +220,28 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
                 host_bytes_per_node=spec.ranks_per_node
                 * (copies * allocated + sum(i.bytes for i in fp.host) + spec.host_reserve_per_rank),
                 replay_saved=fp.replay_saved, notes=fp.notes, host_items=fp.host)
+
+
+def _with_prompt_backward(spec: PlanSpec, fp: Footprint, prompt_len: int, rows: int,
+                          logical: float) -> Footprint:
+    """The exact prompt gradient's additions: on the host, what capture keeps for the prompt
+    backward (checked on CPU); on the device from replay on, the pages read as leaves and their
+    accumulated cotangents (two copies of this rank's pages: `PageStore.leaf` keeps the device
+    copy of every layer until the prompt backward). The prompt backward's own working set (one
+    layer's graph over the whole shard) is not counted: it is O(P / CP) until the backward is
+    blockwise."""
+    leaves = Item("page leaves + their cotangents, every layer (exact prompt gradient)",
+                  2 * logical)
+    phases = {name: items + [leaves] if name == "replay" else items
+              for name, items in fp.phases.items()}
+    phases["prompt backward"] = [leaves]
+    host = fp.host + [Item("layer inputs, token ids and DSA selections kept for the prompt "
+                           "backward", prompt_backward_inputs_bytes(spec.model, rows,
+                                                                    spec.act_bytes, prompt_len))]
+    notes = fp.notes + ["exact prompt gradient: the prompt backward's own working set (one "
+                        "layer's graph over the prompt shard) is not counted; it is O(P / CP) "
+                        "until the prompt backward is blockwise"]
+    return dataclasses.replace(fp, phases=phases, host=host, notes=notes)
 
 
 def _largest(fits: Callable[[int], bool], hi: int = 1 << 34, lo: int = 1) -> int | None:

@@ -66,6 +66,8 @@ class PlanSpec:
     ranks_per_node: int = 8
     host_reserve_per_rank: int = 4 * GiB
     """Python, torch, CUDA host state per process (assumed)."""
+    prompt_grad: str = "detached"
+    """"exact": the exact prompt gradient (prompt_backward.py): `prompt_backward_items`."""
     moe_imbalance: float = 1.0
     """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
 
@@ -138,6 +140,18 @@ class Footprint:
 
 
 # ---- shared helpers -----------------------------------------------------------------------------
+
+
+def prompt_backward_inputs_bytes(cfg, rows: int, act_bytes: float, prompt_len: int) -> float:
+    """What capture keeps for the exact prompt gradient (capture.PromptBackwardInputs) on a rank
+    with `rows` captured rows: every decoder layer's input [rows, hidden] in the activation dtype,
+    the token ids (int64) and, for DSA, every full indexer layer's selection [rows, k] (int32,
+    k = min(top-k, P - 1)). Checked against a capture on CPU (tests/test_planner.py)."""
+    total = cfg.num_hidden_layers * rows * cfg.hidden_size * act_bytes + rows * 8
+    if hasattr(cfg, "num_full_indexer_layers"):
+        k = min(cfg.index_topk, max(prompt_len - 1, 0))
+        total += cfg.num_full_indexer_layers() * rows * k * 4
+    return total
 
 
 def local_prompt_rows(prompt_len: int, cp: int) -> int:
