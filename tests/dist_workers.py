@@ -197,35 +197,37 @@ def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
             "plain_forward": _plain_forward(model)}
 
 
-def exact_gradient_worker(rank, family, cp, ep, state_path, prompt_len, lens):
-    """One group with the exact prompt gradient on CP (x EP) ranks: finalized gradients by global
-    name (fp64), for the test to compare with full-sequence autograd on one process."""
+def exact_gradient_worker(rank, cases, lens):
+    """Groups with the exact prompt gradient on CP (x EP) ranks, one case after the other in the
+    same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
+    gradients by global name (fp64), for the test to compare with full-sequence autograd."""
     from megatron_longstraw import parallel
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.finalize import finalize_longstraw_grads
     from megatron_longstraw.parallel import global_name
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
 
-    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
-                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
-    if family == "deepseekv3":
-        from test_deepseekv3 import build_tiny_deepseekv3 as build
-    else:
-        build = build_tiny_glm if family == "glm52" else build_tiny_qwen
-    cfg, model = build(torch.float64)
-    parallel.load_full_state_dict(model, torch.load(state_path),
-                                  getattr(cfg, "n_routed_experts", 0) or 0)
-    gen = torch.Generator().manual_seed(11)
-    from megatron_longstraw.schedule import GRPOGroup
-
-    group = GRPOGroup(prompt_ids=torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen),
-                      response_ids=[torch.randint(0, cfg.vocab_size, (n,), generator=gen)
-                                    for n in lens],
-                      rewards=torch.tensor([1.0, 0.0, 0.5][:len(lens)], dtype=torch.float64))
-    ls = LongStrawConfig(group_size=len(lens), query_block=29, key_block=37, token_block=50,
-                         max_response_len=64, clip_eps_high=0.28, prompt_grad="exact")
-    model.zero_grad(set_to_none=True)
-    forward_backward_longstraw(model, group, ls)
-    finalize_longstraw_grads(model)
-    name = lambda n: global_name(n, getattr(cfg, "n_routed_experts", 0) or 0)
-    return {name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    outs = []
+    for family, cp, ep, state_path, prompt_len in cases:
+        parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
+                            init_method=os.environ["LONGSTRAW_TEST_INIT"])
+        if family == "deepseekv3":
+            from test_deepseekv3 import build_tiny_deepseekv3 as build
+        else:
+            build = build_tiny_glm if family == "glm52" else build_tiny_qwen
+        cfg, model = build(torch.float64)
+        experts = getattr(cfg, "n_routed_experts", 0) or 0
+        parallel.load_full_state_dict(model, torch.load(state_path), experts)
+        gen = torch.Generator().manual_seed(11)
+        group = GRPOGroup(
+            prompt_ids=torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen),
+            response_ids=[torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens],
+            rewards=torch.tensor([1.0, 0.0, 0.5][:len(lens)], dtype=torch.float64))
+        ls = LongStrawConfig(group_size=len(lens), query_block=29, key_block=37, token_block=50,
+                             max_response_len=64, clip_eps_high=0.28, prompt_grad="exact")
+        model.zero_grad(set_to_none=True)
+        forward_backward_longstraw(model, group, ls)
+        finalize_longstraw_grads(model)
+        outs.append({global_name(n, experts): p.grad.clone()
+                     for n, p in model.named_parameters() if p.grad is not None})
+    return outs

@@ -92,29 +92,33 @@ def test_exact_mode_with_lora_adapters_equals_full_sequence_autograd():
     assert worst <= 1e-9
 
 
-@pytest.mark.parametrize("family,cp,ep,prompt_len", [
-    ("glm52", 2, 2, 160), ("glm52", 4, 4, 160), ("qwen36", 2, 1, 64), ("qwen36", 4, 1, 64),
-    ("deepseekv3", 2, 2, 64)])
-def test_exact_mode_under_cp_and_ep_equals_full_sequence_autograd(tmp_path, family, cp, ep,
-                                                                   prompt_len):
-    """Real gloo ranks, CP (x EP folded): each rank's prompt backward over its shard (key rows
-    gathered under autograd, GDN's heads exchange), finalized over the ranks, equals full-sequence
-    autograd on one process for every parameter (each rank holds its own experts')."""
+@pytest.mark.parametrize("world,cases", [
+    (2, [("glm52", 2, 2, 160), ("qwen36", 2, 1, 64), ("deepseekv3", 2, 2, 64)]),
+    (4, [("glm52", 4, 4, 160), ("qwen36", 4, 1, 64)])])
+def test_exact_mode_under_cp_and_ep_equals_full_sequence_autograd(tmp_path, world, cases):
+    """Real gloo ranks, CP (x EP folded), the cases one after the other in the same processes:
+    each rank's prompt backward over its shard (key rows gathered under autograd, GDN's heads
+    exchange), finalized over the ranks, equals full-sequence autograd on one process for every
+    parameter (each rank holds its own experts')."""
     import dist_workers
     from distributed import run_ranks
 
-    cfg, model = _build(family)
-    path = tmp_path / "weights.pt"
-    torch.save({k: v.clone() for k, v in model.state_dict().items()
-                if not k.endswith("_extra_state")}, path)
-    reference = _full_autograd(model, _group(cfg.vocab_size, prompt_len))
-    outs = run_ranks(dist_workers.exact_gradient_worker, cp, family=family, cp=cp, ep=ep,
-                     state_path=str(path), prompt_len=prompt_len, lens=LENS)
-    assert set().union(*outs) == set(reference)      # every parameter, experts on their owners
-    worst = max(float((out[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-300))
-                for out in outs for n in out)
-    print(f"{family} CP{cp}/EP{ep}: exact vs full autograd {worst:.2e}")
-    assert worst <= 1e-9
+    references, jobs = [], []
+    for family, cp, ep, prompt_len in cases:
+        cfg, model = _build(family)
+        path = tmp_path / f"{family}.pt"
+        torch.save({k: v.clone() for k, v in model.state_dict().items()
+                    if not k.endswith("_extra_state")}, path)
+        references.append(_full_autograd(model, _group(cfg.vocab_size, prompt_len)))
+        jobs.append((family, cp, ep, str(path), prompt_len))
+    outs = run_ranks(dist_workers.exact_gradient_worker, world, cases=jobs, lens=LENS)
+    for case, (family, cp, ep, _), reference in zip(range(len(cases)), cases, references):
+        grads = [out[case] for out in outs]
+        assert set().union(*grads) == set(reference)   # every parameter, experts on their owners
+        worst = max(float((g[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-300))
+                    for g in grads for n in g)
+        print(f"{family} CP{cp}/EP{ep}: exact vs full autograd {worst:.2e}")
+        assert worst <= 1e-9, (family, cp, ep, worst)
 
 
 def test_an_unknown_prompt_gradient_mode_is_refused():
