@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import os
 import resource
 import sys
 from typing import ClassVar, Iterator
@@ -177,6 +178,10 @@ class _CpuAllocationEvents:
         from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
         from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
                                         _ExperimentalConfig)
+        # Kineto logs a start / stop line per profiler session (and, without CUDA, a failed GPU
+        # count) on stderr: one of each per step and rank would bury the launcher's output. Its
+        # own level variable silences them unless the user set one (read at its first use).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         if _profiler_enabled():
             raise RuntimeError("LiveBytesMeter on CPU reads the profiler's memory events and cannot run "
                                "while another torch profiler is active")
