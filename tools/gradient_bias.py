@@ -199,7 +199,8 @@ def plot(training: dict, path: Path) -> None:
     for key, ax in zip(("loss", "grad_norm", "best_logprob_mean"), axes):
         for mode, curve in training.items():
             ax.plot([p["step"] for p in curve], [p[key] for p in curve], marker="o", label=mode)
-        ax.set_title(key)
+        ax.set_title({"loss": "GRPO loss (0 on-policy: ratio 1, advantages sum to 0)"}.get(key, key),
+                     fontsize=9)
         ax.set_xlabel("step")
         ax.legend()
     fig.suptitle("detached vs exact prompt gradient: same weights, same groups")
