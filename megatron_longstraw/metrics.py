@@ -96,6 +96,10 @@ class StepLogger:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:
             line += f" | skipped_steps {int(extra['skipped_steps'])}"
+        return self._emit(line, values, step)
+
+    def _emit(self, line: str, values: dict, step: int) -> str:
+        """Print `line` and write `values` to TensorBoard at `step` (rank 0); return the line."""
         if self.enabled:
             print(line, flush=True)
             if self.writer is not None:
@@ -113,13 +117,7 @@ class StepLogger:
         if "eval/kl_to_old" in values:
             line += (f" | kl_to_old {values['eval/kl_to_old']:.3e} | |logp - logp_old| "
                      f"{values['eval/logprob_abs_diff_to_old']:.3e}")
-        if self.enabled:
-            print(line, flush=True)
-            if self.writer is not None:
-                for key, value in values.items():
-                    self.writer.add_scalar(key, value, steps_done)
-                self.writer.flush()
-        return line
+        return self._emit(line, values, steps_done)
 
     def close(self) -> None:
         if self.writer is not None:
