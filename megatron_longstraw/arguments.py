@@ -21,6 +21,7 @@ from megatron_longstraw.config import ADAPTER_KEYS, LongStrawConfig
 from megatron_longstraw.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.families import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
+from megatron_longstraw.offpolicy import TIS_MODES
 
 # Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see
 # kernels/select.py.
@@ -54,6 +55,19 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                                           "default).")
     group.add_argument("--longstraw-seed", type=int, default=None,
                        help="Seed for initialisation and synthetic data (defaults to --seed).")
+    group.add_argument("--longstraw-tis", choices=TIS_MODES, default=None,
+                       help="Engine-trainer correction when the data carries the engine's "
+                            "logprobs_old: truncate (default) weights each token's policy term "
+                            "by min(pi_old / pi_engine, C), mask by the ratio inside [1/C, C] "
+                            "and 0 outside, off by 1. The PPO ratio's denominator is always the "
+                            "trainer's own pi_old; the mismatch is logged either way.")
+    group.add_argument("--longstraw-tis-cap", type=float, default=None, metavar="C",
+                       help="C of --longstraw-tis (>= 1; default 2.0).")
+    group.add_argument("--longstraw-reward", type=str, default=None, metavar="MODULE:FUNCTION",
+                       help="Reward function fn(prompt_ids, response_ids, response_text, meta) "
+                            "-> float for records without 'rewards' (built-ins: "
+                            "longstraw:exact_match, longstraw:marker_majority; README "
+                            "\"Rewards\").")
     return parser
 
 
@@ -222,6 +236,9 @@ _FLAG_TO_FIELD = {
     "longstraw_query_block": "query_block",
     "longstraw_key_block": "key_block",
     "longstraw_seed": "seed",
+    "longstraw_tis": "tis",
+    "longstraw_tis_cap": "tis_cap",
+    "longstraw_reward": "reward",
 }
 
 

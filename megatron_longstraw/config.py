@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from megatron_longstraw.grpo import GRPOLossConfig
+from megatron_longstraw.offpolicy import check_tis
 
 
 @dataclass
@@ -51,6 +52,17 @@ class LongStrawConfig:
     """Keys per indexer-score block (running top-k)."""
     seed: int = 1234
     """Random seed (initialisation and synthetic data)."""
+    tis: str = "truncate"
+    """Off-policy correction with the engine's log-probs (the data's `logprobs_old`; nothing to
+    correct without them): "truncate" weights token t's policy term by min(pi_old / pi_engine, C),
+    "mask" by pi_old / pi_engine inside [1/C, C] and 0 outside, "off" by 1 (the mismatch is
+    still logged). The PPO ratio's denominator is always the trainer's own pi_old
+    (offpolicy.py)."""
+    tis_cap: float = 2.0
+    """C of `tis`: the largest importance weight (truncate), the mask's bounds [1/C, C] (>= 1)."""
+    reward: str | None = None
+    """Reward function `module:function` or `longstraw:<built-in>` (rewards.py), called for the
+    members of a record that carries no `rewards`; None: every record must carry them."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_response_len", "page_tokens", "token_block", "query_block",
@@ -78,6 +90,11 @@ class LongStrawConfig:
             raise ValueError(f"longstraw prompt_grad must be one of {list(PROMPT_GRAD_MODES)}, "
                              f"got {self.prompt_grad!r}.")
         self.loss_config()  # validates the clip, KL and advantage settings
+        check_tis(self.tis, self.tis_cap)
+        if self.reward is not None and (not isinstance(self.reward, str)
+                                        or ":" not in self.reward):
+            raise ValueError(f"longstraw reward (--longstraw-reward) must be 'module:function' "
+                             f"or 'longstraw:<name>', got {self.reward!r}.")
 
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,

@@ -5,8 +5,14 @@ response tokens and scalar reward ``r_i``::
 
     A_i      = (r_i - mean(r)) / (std(r) + eps)
     rho_it   = exp(logp_it - logp_old_it)
-    L_policy = -(1/G) * sum_i (1/R_i) * sum_t min(rho_it*A_i, clip(rho_it, 1-eps_lo, 1+eps_hi)*A_i)
+    L_policy = -(1/G) * sum_i (1/R_i) * sum_t w_it * min(rho_it*A_i, clip(rho_it, 1-eps_lo, 1+eps_hi)*A_i)
     L_kl     = beta * (1/G) * sum_i (1/R_i) * sum_t (exp(ref-logp) - (ref-logp) - 1)   # k3
+
+``logp_old`` is the trainer's own pre-step log-prob. ``w_it`` is an optional per-token constant
+weight (default 1): the engine-trainer importance weight of offpolicy.py (truncated or masked
+pi_old / pi_engine) when the responses came from an inference engine that reported its
+log-probs. It multiplies the policy term only; the KL term is the trainer's own and unweighted.
+The ``1/R_i`` divisor stays R_i (every token, masked ones included), as in TIS / MIS.
 
 Divisors. The loss is a mean over members (``1/G``) of per-member token means
 (``1/R_i``). Because the prompt is huge, members are processed one at a time
@@ -69,8 +75,10 @@ class GRPOGroup:
     rewards: torch.Tensor
     """[G] scalar rewards."""
     logps_old: list[torch.Tensor] | None = None
-    """Optional [R_i] log-probs from the inference engine that sampled the responses; when given
-    they are the PPO ratio's denominator (else the pre-step scoring pass provides it)."""
+    """Optional [R_i] log-probs from the inference engine that sampled the responses (the
+    JSONL's `logprobs_old`). They are not the PPO ratio's denominator (the trainer's own pre-step
+    scoring is): they give the engine-trainer importance weights and mismatch figures
+    (offpolicy.py, --longstraw-tis)."""
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:
@@ -124,6 +132,7 @@ def member_loss(
     logp_ref: torch.Tensor | None = None,
     num_tokens: int | None = None,
     loss_scale: float = 1.0,
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)``.
 
@@ -138,11 +147,14 @@ def member_loss(
             (context parallelism: the shares' losses then sum to the member's loss); default
             ``logp.numel()``. A share may be empty (its loss is an exact zero with a graph).
         loss_scale: 1/N when one optimizer step averages N groups (data parallelism).
+        token_weight: [R_i] per-token weights ``w_it`` of the policy term (treated as constant;
+            default 1): offpolicy.importance_weights. ``num_tokens`` still divides: a weight of
+            0 removes a token's term, not the token from the mean.
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d tensor; summing it over the G members
         gives the group loss. ``stats`` are detached 0-d per-member values
-        (unscaled by 1/G): ``policy_loss`` = -(1/R_i) sum_t min(...), ``kl`` = k3
+        (unscaled by 1/G): ``policy_loss`` = -(1/R_i) sum_t w_it min(...), ``kl`` = k3
         token mean (0 if disabled), ``clip_frac`` = fraction of tokens where the
         clipped term is the (strictly smaller) active one, ``ratio_mean/max/min``.
         So ``loss == (policy_loss + kl_coef * kl) / G``.
@@ -151,6 +163,8 @@ def member_loss(
         raise ValueError(f"logp must be a non-empty 1-D [R_i] tensor, got shape {tuple(logp.shape)}.")
     if logp_old.shape != logp.shape:
         raise ValueError(f"logp_old shape {tuple(logp_old.shape)} != logp shape {tuple(logp.shape)}.")
+    if token_weight is not None and token_weight.shape != logp.shape:
+        raise ValueError(f"token_weight shape {tuple(token_weight.shape)} != logp shape {tuple(logp.shape)}.")
     if logp_ref is not None and logp_ref.shape != logp.shape:
         raise ValueError(f"logp_ref shape {tuple(logp_ref.shape)} != logp shape {tuple(logp.shape)}.")
     if cfg.kl_coef > 0 and logp_ref is None:
@@ -169,6 +183,8 @@ def member_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     surrogate = torch.minimum(unclipped, clipped)  # [R_i]
+    if token_weight is not None:  # w_it: a constant, outside the min (it scales both branches)
+        surrogate = surrogate * token_weight.detach().to(dtype)
     policy_tok_mean = -surrogate.sum() / num_tokens  # 1/R_i: per-member token mean
 
     kl_tok_mean = torch.zeros((), dtype=dtype, device=lp.device)
@@ -199,27 +215,31 @@ def grpo_loss(
     rewards: torch.Tensor,
     cfg: GRPOLossConfig,
     logps_ref: list[torch.Tensor] | None = None,
+    token_weights: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Whole-group GRPO loss: the plain sum of :func:`member_loss` over members.
 
     Args:
-        logps, logps_old (, logps_ref): G tensors, member i of shape [R_i].
+        logps, logps_old (, logps_ref, token_weights): G tensors, member i of shape [R_i].
         rewards: [G] rewards; advantages come from :func:`group_advantages`.
 
     Returns:
         0-d loss tensor.
     """
     g = len(logps)
-    if len(logps_old) != g or rewards.numel() != g or (logps_ref is not None and len(logps_ref) != g):
+    if len(logps_old) != g or rewards.numel() != g or (logps_ref is not None and len(logps_ref) != g) \
+            or (token_weights is not None and len(token_weights) != g):
         raise ValueError(
             f"group size mismatch: {g} logps, {len(logps_old)} logps_old, {rewards.numel()} rewards"
             + ("" if logps_ref is None else f", {len(logps_ref)} logps_ref")
+            + ("" if token_weights is None else f", {len(token_weights)} token_weights")
         )
     adv = group_advantages(rewards, eps=cfg.adv_eps, std_unbiased=cfg.std_unbiased)
     total: torch.Tensor | None = None
     for i in range(g):
         ref = None if logps_ref is None else logps_ref[i]
-        loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref)
+        weight = None if token_weights is None else token_weights[i]
+        loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref, token_weight=weight)
         total = loss_i if total is None else total + loss_i
     assert total is not None
     return total

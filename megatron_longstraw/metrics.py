@@ -92,6 +92,11 @@ class StepLogger:
                 f" | capture {result.phase_seconds['capture']:.1f}s scoring "
                 f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
                 f" | pages {human_bytes(result.page_bytes)}")
+        if "mismatch_abs_mean" in result.stats:   # the engine's log-probs (offpolicy.py)
+            line += (f" | mismatch |d| {result.stats['mismatch_abs_mean']:.2e} max "
+                     f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")
+            if "tis_frac" in result.stats:
+                line += f" tis_frac {result.stats['tis_frac']:.3f}"
         if "optimizer/lr" in extra:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:

@@ -1,7 +1,9 @@
 """The LongStraw GRPO step (docs/design.md section 2), in Megatron's forward-backward-function style.
 
     capture(prompt)                         no autograd; pages hold what responses read
-    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
+    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded;
+                                            with the engine's log-probs: importance weights
+                                            and mismatch figures (offpolicy.py)
     for i in 1..G: replay(i); backward      one member's graph alive at a time
     (the above for each group of the step)  micro-batches: gradients accumulate
     finalize grads; optimizer.step()        once (train_step)
@@ -27,7 +29,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
     member_loss,
     validate_group,
 )
-from megatron_longstraw import memory
+from megatron_longstraw import memory, offpolicy
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
 from megatron_longstraw.prompt_backward import prompt_backward
@@ -39,11 +41,16 @@ class StepResult:
     loss: float
     """Total GRPO loss of the group (sum of member shares)."""
     stats: dict[str, float]
-    """Mean reward, advantages, ratio and clip statistics, KL."""
+    """Mean reward, advantages, ratio and clip statistics, KL; with the engine's log-probs also
+    the mismatch figures (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl,
+    tis_frac)."""
     logps: list[torch.Tensor]
     """Per-member per-token log-probs from replay (current parameters)."""
     logps_old: list[torch.Tensor]
-    """Per-member per-token log-probs from pre-step scoring."""
+    """Per-member per-token log-probs from pre-step scoring (the PPO ratio's denominator)."""
+    token_weights: list[torch.Tensor] | None = None
+    """Per member: the engine-trainer importance weights [R_i] of the policy term (offpolicy.py),
+    None when the group carries no engine log-probs."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of capture, scoring, replay."""
     page_bytes: int = 0
@@ -157,7 +164,11 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
         scored = [score_member(model, captured, r, cfg) for r in group.response_ids]
         logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
                      if ref_captured is not None else None)
-    logps_old = group.logps_old or [lp for lp, _ in scored]
+    # The PPO ratio's denominator is the trainer's own pre-step log-prob, never the engine's: a
+    # kernel or precision difference between the two would bias every ratio and clip decision.
+    # The engine's log-probs give per-token importance weights pi_old / pi_engine instead.
+    logps_old = [lp for lp, _ in scored]
+    weights, mismatch = _engine_correction(logps_old, group.logps_old, cfg)
     timings["scoring"] = time.perf_counter() - start
 
     loss_cfg = cfg.loss_config()
@@ -171,17 +182,20 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
             args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
                         num_tokens=int(response.numel()), loss_scale=loss_scale)
             ref = logps_ref[i] if logps_ref else None
+            weight = weights[i] if weights else None
 
-            def share_loss(logp, tokens, i=i, args=args, ref=ref):
+            def share_loss(logp, tokens, i=i, args=args, ref=ref, weight=weight):
                 return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
                                    logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
+                                   token_weight=None if weight is None else weight[tokens],
                                    **args)[0]
 
             logp = scored[i][0] if forward_only else replay_member(
                 model, captured, response, scored[i][1], cfg, share_loss)
             # Whole-member loss and statistics from the gathered log-probs (reporting only).
             loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
-                                      logp_ref=None if ref is None else ref.to(logp.dtype), **args)
+                                      logp_ref=None if ref is None else ref.to(logp.dtype),
+                                      token_weight=weight, **args)
             total += float(loss)
             logps.append(logp)
             member_stats.append(stats)
@@ -193,6 +207,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
         timings["prompt_backward"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    stats.update(mismatch)
     stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])
     by_kind: dict[str, int] = {}
     for store in stores:
@@ -200,9 +215,34 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
             by_kind[kind] = by_kind.get(kind, 0) + nbytes
     fixed = [k for k in by_kind if any(k in store.fixed_kinds() for store in stores)]
     return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
-                      phase_seconds=timings, page_bytes=sum(s.nbytes() for s in stores),
+                      token_weights=weights, phase_seconds=timings, page_bytes=sum(s.nbytes() for s in stores),
                       page_bytes_by_kind=by_kind, fixed_page_kinds=fixed,
                       selections=[sel for _, sel in scored])
+
+
+def _engine_correction(logps_old, logps_engine, cfg) -> tuple[list[torch.Tensor] | None, dict]:
+    """(per-member importance weights or None, mismatch figures) from the trainer's pre-step
+    log-probs and the engine's (offpolicy.py; nothing without the engine's)."""
+    if logps_engine is None:
+        return None, {}
+    pairs = [offpolicy.importance_weights(old, engine, cfg.tis, cfg.tis_cap)
+             for old, engine in zip(logps_old, logps_engine)]
+    mismatch = offpolicy.mismatch_stats(logps_old, logps_engine,
+                                        None if cfg.tis == "off" else [c for _, c in pairs])
+    return (None if cfg.tis == "off" else [w for w, _ in pairs]), mismatch
+
+
+def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Statistics of several groups (or replicas) as one: means over those that report a key
+    (the mismatch figures come only from groups with engine log-probs), max / min for the
+    extremes."""
+    keys = list(dict.fromkeys(k for s in stats for k in s))
+    merged = {}
+    for key in keys:
+        values = [s[key] for s in stats if key in s]
+        merged[key] = (max(values) if key.endswith("_max") else min(values)
+                       if key.endswith("_min") else sum(values) / len(values))
+    return merged
 
 
 def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
@@ -229,14 +269,15 @@ def merge_results(results: list[StepResult]) -> StepResult:
     groups)."""
     if len(results) == 1:
         return results[0]
-    stats = {key: sum(r.stats[key] for r in results) / len(results) for key in results[0].stats}
-    stats["ratio_max"] = max(r.stats["ratio_max"] for r in results)
-    stats["ratio_min"] = min(r.stats["ratio_min"] for r in results)
+    stats = merge_stats([r.stats for r in results])
+    weights = [r.token_weights or [None] * len(r.logps) for r in results]
     largest = max(results, key=lambda r: r.page_bytes)
     return StepResult(
         loss=sum(r.loss for r in results), stats=stats,
         logps=[lp for r in results for lp in r.logps],
         logps_old=[lp for r in results for lp in r.logps_old],
+        token_weights=([w for ws in weights for w in ws]
+                       if any(r.token_weights for r in results) else None),
         phase_seconds={k: sum(r.phase_seconds.get(k, 0.0) for r in results)
                        for k in results[0].phase_seconds},
         page_bytes=largest.page_bytes, page_bytes_by_kind=dict(largest.page_bytes_by_kind),

@@ -379,17 +379,18 @@ def nonfinite_step(args, step: int, result, groups: list, dp_rank: int) -> None:
 def replica_mean(result, dp_size: int):
     """The step's figures over all its groups, for the log and the receipt: the loss summed over
     the data-parallel replicas (each already carries 1 / B: the mean GRPO loss of the B groups),
-    statistics averaged (ratio extremes: max / min). Collective over the data-parallel group."""
+    statistics averaged (extremes: max / min; schedule.merge_stats). Collective over the
+    data-parallel group."""
     if dp_size == 1:
         return result
     from megatron.core import parallel_state as ps
 
+    from megatron_longstraw.schedule import merge_stats
+
     per_replica = [None] * dp_size
     dist.all_gather_object(per_replica, (result.loss, result.stats),
                            group=ps.get_data_parallel_group())
-    stats = {key: sum(s[key] for _, s in per_replica) / dp_size for key in result.stats}
-    stats["ratio_max"] = max(s["ratio_max"] for _, s in per_replica)
-    stats["ratio_min"] = min(s["ratio_min"] for _, s in per_replica)
+    stats = merge_stats([s for _, s in per_replica])
     stats["grad_norm"] = result.stats["grad_norm"]   # of the summed gradient: the same everywhere
     return dataclasses.replace(result, loss=sum(loss for loss, _ in per_replica), stats=stats)
 
