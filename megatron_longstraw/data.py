@@ -55,6 +55,13 @@ class GroupRecord:
     """1-based line number in the file."""
     response_field: str = "response_ids"
     """The line's field that holds the responses ("responses" for text)."""
+    meta: object = None
+    """The line's "meta" as JSON gave it (None without one); a reward function reads it."""
+    has_rewards: bool = True
+    """The line gave "rewards" (else they are zeros until a reward function fills them in:
+    rewards.fill_rewards)."""
+    response_texts: list[str] | None = None
+    """The response texts of a line with text "responses" (what a reward function reads)."""
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------
@@ -70,6 +77,9 @@ class LocalTokenizer:
         if self.kind == "tokenizers":
             return list(self.backend.encode(text, add_special_tokens=False).ids)
         return list(self.backend.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -207,7 +217,10 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
     logps_old = _logprobs_old(obj, fail, responses, response_field)
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
                       logps_old=logps_old)
-    return GroupRecord(group=group, id=group_id, line=line_no, response_field=response_field)
+    return GroupRecord(group=group, id=group_id, line=line_no, response_field=response_field,
+                       meta=obj.get("meta"), has_rewards="rewards" in obj,
+                       response_texts=list(obj["responses"]) if response_field == "responses"
+                       else None)
 
 
 def _one_of(obj, fields, fail, what) -> str:
@@ -262,7 +275,9 @@ def _responses(obj, fail, tokenizer, vocab_size) -> tuple[list[torch.Tensor], st
 def _rewards(obj, fail, num_members, response_field, require_rewards) -> torch.Tensor:
     if "rewards" not in obj:
         if require_rewards:
-            fail("rewards", "is missing; give one reward per response.")
+            fail("rewards", "is missing; give one reward per response, or compute them with "
+                            "a reward function (--longstraw-reward module:function, YAML "
+                            "longstraw.reward).")
         return torch.zeros(num_members, dtype=torch.float64)
     value = obj["rewards"]
     if not isinstance(value, list):

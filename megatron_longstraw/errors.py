@@ -12,6 +12,8 @@ run. This module is the one place that says which exceptions those are (`is_user
       CheckpointError       a checkpoint or model-format directory that does not fit the run, or
                             cannot be read
       data.DataError        a line of a JSONL data file (file, line, field)
+      rewards.RewardError   a reward function that raised or returned no finite number (the
+                            record and the member)
       NonFiniteError        a step whose loss or gradient is NaN / inf, with
                             --check-for-nan-in-loss-and-grad (Megatron's default): the step and
                             the group, the weights untouched, the last checkpoint intact

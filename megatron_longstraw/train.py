@@ -311,11 +311,14 @@ def _group_check(path, ls):
     return check
 
 
-def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: bool = True):
+def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: bool | None = None):
     """The GRPO groups of `path` (default --longstraw-data) as a lazily read
     dataset.GroupDataset, every line checked against the model and the step settings before any
     process group starts (a bad line is a DataError naming file, line and field); None without
-    a path (synthetic data)."""
+    a path (synthetic data). Lines must carry "rewards" unless a reward function computes them
+    (`require_rewards` None: ls.reward is None)."""
+    if require_rewards is None:
+        require_rewards = ls.reward is None
     path = args.longstraw_data if path is None else path
     if not path:
         return None
@@ -327,10 +330,32 @@ def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: boo
                         check=_group_check(path, ls), require_rewards=require_rewards)
 
 
-def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int) -> list:
+def load_reward_fn(args, ls):
+    """The reward function of --longstraw-reward (YAML longstraw.reward; rewards.py), or None.
+    It scores the --longstraw-data lines that carry no "rewards", so it is refused without
+    --longstraw-data (the synthetic groups carry their own)."""
+    if ls.reward is None:
+        return None
+    if not args.longstraw_data:
+        raise ConfigError(f"--longstraw-reward {ls.reward} scores the responses of "
+                          "--longstraw-data lines without 'rewards'; pass --longstraw-data (the "
+                          "synthetic groups carry their own rewards) or drop the reward.")
+    from megatron_longstraw.rewards import load_reward
+
+    return load_reward(ls.reward)
+
+
+def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int,
+                reward_fn=None) -> list:
     """This replica's groups of the step that starts at `consumed_groups` (dataset.py): read
-    from `data`, or synthetic (group g from seed + g)."""
+    from `data`, or synthetic (group g from seed + g). With `reward_fn`, a line without
+    "rewards" gets them from it (rewards.fill_rewards), before any work of the step: a reward
+    function that fails stops the run with a RewardError naming the line and the member."""
     indices = sampler.step_indices(consumed_groups)
+    if data is not None and reward_fn is not None:
+        from megatron_longstraw.rewards import fill_rewards
+
+        return [fill_rewards(data.record(i), reward_fn, data.tokenizer) for i in indices]
     if data is not None:
         return [data[i] for i in indices]
     from megatron_longstraw.data import synthetic_group
@@ -421,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
         lora, ls = resolve_lora(args, family, ls)
         check_outputs(args, lora)
         check_data_flags(args, given)
+        reward_fn = load_reward_fn(args, ls)
         total_iters = args.train_iters or 1
         lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
                                     total_iters)   # the schedule's flags, checked before any work
@@ -488,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --exit-signal-handler, --exit-duration-in-mins, --exit-interval (exit_conditions.py)
     with ExitConditions(args, start) as exits:
         for step in range(first_step, total_iters):
-            groups = step_groups(args, model_cfg, ls, sampler, data, consumed)
+            groups = step_groups(args, model_cfg, ls, sampler, data, consumed, reward_fn)
             bar = ProgressBar(f"step {step} capture") if rank == 0 else None
             lr = lr_schedule.current_lr(optimizer)
             with SavedTensorMeter(model) as meter, LiveBytesMeter() as live:
