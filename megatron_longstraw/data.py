@@ -3,7 +3,10 @@ local tokenizers, a writer for tests and examples, and a synthetic long-context 
 
     {"id": "q17", "prompt": "text" | "prompt_ids": [..] | "prompt_file": "ids.npy|.bin|.txt",
      "responses": ["text", ..] | "response_ids": [[..], ..], "rewards": [..],
-     "logprobs_old": [[..], ..]}
+     "logprobs_old": [[..], ..], "routed_experts": [[[[..]]], ..], "dsa_topk": [[[[..]]], ..]}
+
+`routed_experts` / `dsa_topk` (routing replay, routing_replay.py) are per member, per response
+token, per MoE / full indexer layer: the engine's expert ids / DSA key positions.
 
 Every validation error is a `DataError` that names the file, the line and the field, and says what
 to do. Text is tokenised only with a tokenizer loaded from a local path (no network), without
@@ -24,10 +27,12 @@ import torch
 
 from megatron_longstraw.errors import InputNotFound, UserError
 from megatron_longstraw.grpo import GRPOGroup
+from megatron_longstraw.routing_replay import FIELDS as ROUTING_FIELDS, check_values, member_tensor
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file")
 RESPONSE_FIELDS = ("responses", "response_ids")
-KNOWN_FIELDS = set(PROMPT_FIELDS + RESPONSE_FIELDS) | {"rewards", "logprobs_old", "id", "meta"}
+KNOWN_FIELDS = (set(PROMPT_FIELDS + RESPONSE_FIELDS) | {"rewards", "logprobs_old", "id", "meta"}
+                | set(ROUTING_FIELDS))
 MAX_TOKEN_ID = 2**31 - 1
 LOGPROB_SLACK = 1e-4
 """Largest positive value accepted as a log-probability (engines round; a log-prob is <= 0)."""
@@ -215,8 +220,10 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
     num_members = len(responses)
     rewards = _rewards(obj, fail, num_members, response_field, require_rewards)
     logps_old = _logprobs_old(obj, fail, responses, response_field)
+    routing = {field: _routing(obj, fail, field, responses, response_field, prompt.numel())
+               for field in ROUTING_FIELDS}
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
-                      logps_old=logps_old)
+                      logps_old=logps_old, **routing)
     return GroupRecord(group=group, id=group_id, line=line_no, response_field=response_field,
                        meta=obj.get("meta"), has_rewards="rewards" in obj,
                        response_texts=list(obj["responses"]) if response_field == "responses"
@@ -319,6 +326,32 @@ def _logprobs_old(obj, fail, responses, response_field) -> list[torch.Tensor] | 
                 fail("logprobs_old", f"item {i} token {t} is {lp}, above 0; log-probs are <= 0 "
                                      "(were probabilities or logits passed?).")
         out.append(torch.tensor(lps, dtype=torch.float64))
+    return out
+
+
+def _routing(obj, fail, field, responses, response_field, prompt_len) -> list[torch.Tensor] | None:
+    """`routed_experts` / `dsa_topk`: per member an int32 [R_i, layers, k] (routing_replay.py);
+    what needs the model (layer counts, widths, expert count) is checked by the step."""
+    if field not in obj:
+        return None
+    value = obj[field]
+    if not isinstance(value, list) or len(value) != len(responses):
+        count = len(value) if isinstance(value, list) else type(value).__name__
+        fail(field, f"has {count} entries but '{response_field}' has {len(responses)}; give one "
+                    "entry per response, in the same order.")
+    out = []
+    for i, (item, ids) in enumerate(zip(value, responses)):
+        try:
+            t = member_tensor(field, item, i, int(ids.numel()))
+            # Causality needs the prompt length (a cheap check's placeholder prompt: later).
+            check_values(field, t, i, prompt_len or None)
+        except ValueError as exc:
+            fail(field, str(exc))
+        if out and t.shape[1:] != out[0].shape[1:]:
+            fail(field, f"item {i} has {t.shape[1]} layers of {t.shape[2]} per token but item 0 "
+                        f"has {out[0].shape[1]} of {out[0].shape[2]}; every member comes from "
+                        "the same model.")
+        out.append(t)
     return out
 
 
@@ -441,7 +474,7 @@ def write_groups(path: str | os.PathLike, groups: Iterable[GRPOGroup | dict],
                  ids: Iterable | None = None, prompt_file_min_len: int | None = None,
                  prompt_format: str = "npy") -> Path:
     """Write groups as JSONL (tests, examples). `GRPOGroup`s become `prompt_ids` / `response_ids` /
-    `rewards` (/ `logprobs_old`); dicts are written as they are. Prompts of at least
+    `rewards` (/ `logprobs_old`, `routed_experts`, `dsa_topk`); dicts are written as they are. Prompts of at least
     `prompt_file_min_len` tokens go to `<stem>.prompts/<line>.<prompt_format>` (npy|bin|txt)
     beside the file, referenced by a relative `prompt_file`."""
     path = Path(path)
@@ -470,6 +503,9 @@ def _group_dict(path, idx, group, prompt_file_min_len, prompt_format) -> dict:
     row["rewards"] = [float(r) for r in group.rewards]
     if group.logps_old is not None:
         row["logprobs_old"] = [[float(x) for x in lp] for lp in group.logps_old]
+    for field in ROUTING_FIELDS:
+        if getattr(group, field, None) is not None:
+            row[field] = [torch.as_tensor(t).long().tolist() for t in getattr(group, field)]
     return row
 
 

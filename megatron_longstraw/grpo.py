@@ -79,6 +79,14 @@ class GRPOGroup:
     JSONL's `logprobs_old`). They are not the PPO ratio's denominator (the trainer's own pre-step
     scoring is): they give the engine-trainer importance weights and mismatch figures
     (offpolicy.py, --longstraw-tis)."""
+    routed_experts: list[torch.Tensor] | None = None
+    """Optional [R_i, num_moe_layers, moe_topk] int expert ids the engine routed each response
+    token's branch row to, per MoE layer in order (the JSONL's `routed_experts`): scoring and
+    replay route with them (routing_replay.py)."""
+    dsa_topk: list[torch.Tensor] | None = None
+    """Optional [R_i, num_full_indexer_layers, k] int global key positions (-1: none) the engine's
+    DSA indexer selected for each response token's branch row, per full indexer layer in order
+    (the JSONL's `dsa_topk`): scoring and replay attend with them (routing_replay.py)."""
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:

@@ -44,10 +44,13 @@ def enable_fp64_routing() -> None:
     `torch.sigmoid(logits.float())`, whatever the logits' dtype. In a float64 model that rounds the
     routing weights to float32 (~6e-8 relative), so two float64 computations of the same token that
     differ in the last bit of a logit can differ by ~1e-10 downstream: too coarse for fp64 parity
-    tests. This wrapper applies only to float64 logits with sigmoid scores and no replay or
-    precomputed indices, and computes exactly Megatron's formula (top-k of sigmoid + expert_bias,
+    tests. This wrapper applies only to float64 logits with sigmoid scores and no precomputed
+    indices, and computes exactly Megatron's formula (top-k of sigmoid + expert_bias,
     group-limited by Megatron's own `group_limited_topk` when `group_topk` is set, as DeepSeek-V3
-    routes; weights sigmoid at the chosen experts normalised and scaled) in float64.
+    routes; weights sigmoid at the chosen experts normalised and scaled) in float64. A router's
+    `RouterReplay` (routing replay, routing_replay.py) picks the experts as in Megatron: its
+    `get_replay_topk` with the same default top-k; without one the operations are the same as
+    before.
     Everything else, bf16 and fp32 training included, calls Megatron's function unchanged.
     """
     global _FP64_ROUTING
@@ -62,17 +65,24 @@ def enable_fp64_routing() -> None:
                 scaling_factor=None, score_function="softmax", expert_bias=None, fused=False,
                 router_replay=None, dense_output=False, precomputed_indices=None):
         if (logits.dtype != torch.float64 or score_function != "sigmoid" or fused
-                or router_replay is not None or precomputed_indices is not None):
+                or precomputed_indices is not None):
             return original(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                             score_function, expert_bias, fused, router_replay, dense_output,
                             precomputed_indices)
         scores = torch.sigmoid(logits)
         choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
-        if group_topk:  # group-limited (DeepSeek-V3): Megatron's function, float64 in and out
-            _, top_indices = moe_utils.group_limited_topk(choice, topk, logits.shape[0],
-                                                          logits.shape[1], num_groups, group_topk)
-        else:
-            top_indices = torch.topk(choice, k=topk, dim=1).indices
+
+        def compute_topk(scores, k, num_groups=None, group_topk=None):
+            if group_topk:  # group-limited (DeepSeek-V3): Megatron's function, float64 in and out
+                return moe_utils.group_limited_topk(scores, k, scores.shape[0], scores.shape[1],
+                                                    num_groups, group_topk)
+            return torch.topk(scores, k=k, dim=1)
+
+        if router_replay is None:
+            _, top_indices = compute_topk(choice, topk, num_groups, group_topk)
+        else:  # Megatron's router replay (record / replay the chosen experts)
+            _, top_indices = router_replay.get_replay_topk(choice, topk, num_groups, group_topk,
+                                                           compute_topk)
         probs = scores.gather(1, top_indices)
         probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else probs
         if scaling_factor:

@@ -4,7 +4,9 @@ A member's branch is `[x_P, y_1 .. y_{R-1}]` at positions `P-1 .. P+R-2` over th
 its outputs score `y_1 .. y_R`. Scoring runs the branch without autograd and records each full DSA
 indexer layer's top-k ("indexer replay"); replay runs it again under autograd with those selections,
 every decoder layer wrapped in activation checkpointing, and backpropagates the member's loss before
-the next member starts. Live autograd memory is one branch, whatever P and G.
+the next member starts. Live autograd memory is one branch, whatever P and G. When the group
+carries the engine's DSA selections or MoE routing (routing replay, routing_replay.py), scoring
+uses them and replay reuses them.
 
 Under context parallelism each rank owns a contiguous share of the branch rows (padded to equal
 shares) for token-wise work and the loss; attention exchanges queries and partial outputs
@@ -19,7 +21,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_longstraw import parallel
+from megatron_longstraw import parallel, routing_replay
 from megatron_longstraw.capture import CapturedPrompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
@@ -87,13 +89,20 @@ def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt
 
 
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
-                 cfg: LongStrawConfig) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 cfg: LongStrawConfig, selections: dict[int, torch.Tensor] | None = None,
+                 routed_experts: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
     selections it used (global key positions, int32, kept in host memory when pages are offloaded:
-    all G members' selections wait for replay, [R, top-k] per full indexer layer each)."""
+    all G members' selections wait for replay, [R, top-k] per full indexer layer each).
+
+    Routing replay (routing_replay.py): `selections` (the engine's, {full indexer layer: [R
+    padded, k]}) are used instead of computed ones, and returned; `routed_experts` [R, L, k]
+    route this rank's rows in every MoE layer."""
     branch = make_branch(captured, response_ids)
-    state = _pass(captured, branch, cfg, selections=None, mode="score")
-    with torch.no_grad(), attention_pass(state):
+    state = _pass(captured, branch, cfg, selections=selections, mode="score")
+    with (torch.no_grad(), attention_pass(state),
+          routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
         logp = _run_branch(model, captured, branch, checkpoint_layers=False)
     keep = "cpu" if cfg.offload_pages else None
     selections = {layer: sel.to(device=keep, dtype=torch.int32)
@@ -103,7 +112,8 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
 
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                   selections: dict[int, torch.Tensor] | None, cfg: LongStrawConfig,
-                  loss_fn: Callable[[torch.Tensor, slice], torch.Tensor]):
+                  loss_fn: Callable[[torch.Tensor, slice], torch.Tensor],
+                  routed_experts: torch.Tensor | None = None):
     """Rebuild one member's graph, backpropagate, free the graph.
 
     `loss_fn(logp, tokens)` returns this rank's share of the member's loss from the log-probs of
@@ -112,12 +122,16 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     Gradients
     accumulate into `.grad` (plain sums across members: the loss carries the 1/(G R_i) share).
     Returns the member's log-probs [R] (detached, whole member on every rank).
+    `routed_experts` [R, L, k]: the engine's routing, kept through backward (the checkpoint
+    recompute routes the same way; routing_replay.py).
     """
     branch = make_branch(captured, response_ids)
     # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
     state = _pass(captured, branch, cfg, selections=selections, mode="replay",
                   prompt_state_grad=cfg.prompt_grad == "exact")
-    with attention_pass(state):  # backward recomputes checkpointed layers: keep the pass installed
+    # Backward recomputes checkpointed layers: keep the pass (and the routing) installed.
+    with (attention_pass(state),
+          routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
         logp = _run_branch(model, captured, branch, cfg.checkpoint_layers)
         num_valid = int(branch.valid.sum())
         loss = loss_fn(logp[:num_valid], slice(branch.rows.start, branch.rows.start + num_valid))

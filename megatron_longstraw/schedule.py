@@ -1,7 +1,8 @@
 """The LongStraw GRPO step (docs/design.md section 2), in Megatron's forward-backward-function style.
 
     capture(prompt)                         no autograd; pages hold what responses read
-    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded;
+    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
+                                            (or the engine's: routing replay);
                                             with the engine's log-probs: importance weights
                                             and mismatch figures (offpolicy.py)
     for i in 1..G: replay(i); backward      one member's graph alive at a time
@@ -29,7 +30,7 @@ from megatron_longstraw.grpo import (  # GRPOGroup: re-exported, `schedule.GRPOG
     member_loss,
     validate_group,
 )
-from megatron_longstraw import memory, offpolicy
+from megatron_longstraw import memory, offpolicy, routing_replay
 from megatron_longstraw.kernels import select
 from megatron_longstraw.parallel import CPLayout, any_rank, check_agreement, fail_together
 from megatron_longstraw.prompt_backward import prompt_backward
@@ -100,6 +101,7 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
             if lp.shape != r.shape or not torch.isfinite(lp).all():
                 raise ValueError(f"response {i}: old log-probs must be finite with shape "
                                  f"{tuple(r.shape)}, got shape {tuple(lp.shape)}.")
+    routing_replay.validate_group(model, group)   # the engine's routed_experts / dsa_topk
 
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
@@ -146,6 +148,7 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
         "group_size": len(group.response_ids),
         "response_lens": [int(torch.as_tensor(r).numel()) for r in group.response_ids],
         "rewards": [float(r) for r in group.rewards],
+        "routing_replay": [getattr(group, f, None) is not None for f in routing_replay.FIELDS],
     }
 
 
@@ -161,7 +164,12 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
 
     start = time.perf_counter()
     with memory.phase("scoring"):
-        scored = [score_member(model, captured, r, cfg) for r in group.response_ids]
+        # Routing replay: the engine's DSA selections / MoE routing, when the group has them.
+        engine = [routing_replay.member_inputs(model, group, i, captured.prefix_len,
+                                               captured.layout)
+                  for i in range(len(group.response_ids))]
+        scored = [score_member(model, captured, r, cfg, *engine[i])
+                  for i, r in enumerate(group.response_ids)]
         logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
                      if ref_captured is not None else None)
     # The PPO ratio's denominator is the trainer's own pre-step log-prob, never the engine's: a
@@ -191,7 +199,8 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> S
                                    **args)[0]
 
             logp = scored[i][0] if forward_only else replay_member(
-                model, captured, response, scored[i][1], cfg, share_loss)
+                model, captured, response, scored[i][1], cfg, share_loss,
+                routed_experts=engine[i][1])
             # Whole-member loss and statistics from the gathered log-probs (reporting only).
             loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
                                       logp_ref=None if ref is None else ref.to(logp.dtype),

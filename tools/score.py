@@ -16,7 +16,8 @@ expert-parallel limit). GLM-5.2 folds EP on the CP ranks (EP = CP); Qwen3.6 has 
 
 For every group of the input JSONL (examples/data/README.md) the prompt is captured once and each
 response is scored over the captured state, exactly as the training step's pre-step scoring does
-(`capture_prompt` + `score_member`; no autograd, no optimizer). Rank 0 writes one JSON line per
+(`capture_prompt` + `score_member`, with the engine's `routed_experts` / `dsa_topk` when the
+line has them: routing replay; no autograd, no optimizer). Rank 0 writes one JSON line per
 group: id, prompt_len, response_lens, per-token `logprobs` of every member, their `logprob_sum`
 and `logprob_mean`. When the input carries `logprobs_old` (the engine's per-token log-probs), each
 line also has a `mismatch` summary (diff = ours - engine's: max / mean |diff|, mean diff (bias),
@@ -164,6 +165,7 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
     and gets the same results."""
     from megatron_longstraw.capture import capture_prompt
     from megatron_longstraw.kernels import select
+    from megatron_longstraw import routing_replay
     from megatron_longstraw.replay import score_member
 
     select.use(cfg.kernels)
@@ -172,9 +174,12 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
         prompt_len = int(group.prompt_ids.numel())
         start = time.perf_counter()
         try:
+            routing_replay.validate_group(model, group)   # the engine's routing, when given
             with torch.no_grad():
                 captured = capture_prompt(model, group.prompt_ids, cfg)
-                logps = [score_member(model, captured, r, cfg)[0] for r in group.response_ids]
+                logps = [score_member(model, captured, r, cfg, *routing_replay.member_inputs(
+                             model, group, i, captured.prefix_len, captured.layout))[0]
+                         for i, r in enumerate(group.response_ids)]
             del captured
         except ValueError as exc:
             raise ValueError(f"group {group_id!r}: {exc}") from exc
