@@ -45,7 +45,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_longstraw.models.common import decoder_groups, mixer_of
+from megatron_longstraw.models.common import decoder_groups, is_mixer
 
 FIELDS = ("routed_experts", "dsa_topk")
 WHAT = {"routed_experts": "MoE layer", "dsa_topk": "indexer layer"}
@@ -66,8 +66,9 @@ def indexer_layers(model) -> list[int]:
     """Decoder layer indices that compute their own DSA top-k (full indexer layers), in order."""
     out = []
     for idx, group in enumerate(decoder_groups(model)):
-        core = getattr(mixer_of(group), "core_attention", None)
-        if getattr(core, "indexer", None) is not None:
+        cores = [getattr(layer.self_attention, "core_attention", None)
+                 for layer in group if is_mixer(layer)]
+        if any(getattr(core, "indexer", None) is not None for core in cores):
             out.append(idx)
     return out
 
