@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.models.common import decoder_groups, embed, run_group
+from megatron_longstraw.models.common import decoder_groups, embed, run_group, selection_kinds
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
@@ -48,7 +48,11 @@ class CapturedPrompt:
 class PromptBackwardInputs:
     """What capture keeps for the exact prompt gradient (prompt_backward.py), in the pages'
     storage (host memory when they are offloaded): every decoder layer's input over the captured
-    rows, each DSA source layer's selection, and the captured token ids."""
+    rows, each DSA source layer's selection, the captured token ids, the running cotangent's
+    buffer and (one process) the carried state at each token block's start. Capture also gives
+    the pages their cotangent buffers (`PageStore.keep_grads`). All of it is allocated here, so
+    replay and the prompt backward add nothing of the prompt's size (the planner's host line
+    `prompt_backward_inputs_bytes`)."""
 
     layer_inputs: list[torch.Tensor]
     """[n_local, 1, hidden] per decoder layer (the input of its mixer's layer)."""
@@ -56,6 +60,13 @@ class PromptBackwardInputs:
     """Global key positions [n_local, k] (int32) of every layer that computed a top-k."""
     token_ids: torch.Tensor
     """The captured rows' token ids [n_local]."""
+    cotangent: torch.Tensor | None = None
+    """[n_local, 1, hidden]: d loss / d (a layer's output) over the prompt rows, overwritten block
+    by block as the prompt backward descends (zero above the top layer: nothing reads the top
+    layer's prompt outputs)."""
+    boundaries: dict[int, list] | None = None
+    """One process: per layer of a mixer that carries state (GDN), the state by kind at the start
+    of each token block (`AttentionPass.boundaries`)."""
 
 
 def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
@@ -89,7 +100,8 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
         state = AttentionPass(mode="capture", pages=pages, positions=positions,
                               cp=CPPass.for_capture(layout, num_captured),
                               query_block=cfg.query_block, key_block=cfg.key_block,
-                              token_block=cfg.token_block)
+                              token_block=cfg.token_block,
+                              boundaries={} if keep_for_backward and layout.size == 1 else None)
         with torch.no_grad(), attention_pass(state):
             hidden = embed(model, prefix[positions])                # [n_local, 1, h]
             groups = decoder_groups(model)
@@ -104,6 +116,11 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                                                                       torch.int32)
                 if progress is not None:
                     progress(layer_idx + 1, len(groups))
+        if backward is not None:
+            backward.cotangent = torch.zeros_like(backward.layer_inputs[-1])
+            backward.boundaries = state.boundaries
+            pages.keep_grads([kind for kind in pages.bytes_by_kind()
+                              if kind not in selection_kinds(model)])
         del hidden
         state.selections.clear()
     return CapturedPrompt(pages=pages, prefix_len=num_captured, last_token=int(prompt_ids[-1]),

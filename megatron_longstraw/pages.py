@@ -39,6 +39,22 @@ import torch
 __all__ = ["PageStore"]
 
 
+class _IntoGradBuffer(torch.autograd.Function):
+    """Identity on a page's value whose backward hands the cotangent to `sink` (a page's cotangent
+    buffer) instead of returning it: `anchor` (an empty tensor that requires grad) is what puts
+    the value in the graph."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, sink):
+        ctx.sink = sink
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(grad)
+        return None, None, None
+
+
 @dataclass
 class _SeqEntry:
     """Sequence-indexed state of one (layer, kind): pages of ``[page_tokens, *row_shape]``."""
@@ -89,7 +105,7 @@ class PageStore:
         self._prefetched: dict[int, tuple[torch.device, dict[str, torch.Tensor], object | None]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._d2h_event: torch.cuda.Event | None = None  # last async device->host copy
-        self._leaves: dict[tuple[int, str], torch.Tensor] = {}
+        self._grads: dict[tuple[int, str], torch.Tensor] = {}  # exact mode: d loss / d state
 
     # ------------------------------------------------------------------ writing
     def _target_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -328,32 +344,68 @@ class PageStore:
                 self.release(layer)
 
     # ------------------------------------------------------------------ gradients
-    def leaf(self, layer_idx: int, kind: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Hook for exact prompt-gradient mode: the fetched state as a fresh ``requires_grad`` leaf.
+    def keep_grads(self, kinds: list[str] | None = None) -> None:
+        """The exact prompt gradient: a zero cotangent buffer beside each (layer, kind) of `kinds`
+        (default: all), shaped like the logical tensor, on the storage device, in the page dtype
+        promoted to at least float32 (sums over members and query blocks). Replay and the prompt
+        backward add into them (:meth:`add_grad`, :meth:`differentiable`); allocating them here,
+        once, keeps them out of every later phase's peak."""
+        for layer, kind in self._keys(None, None):
+            if kinds is not None and kind not in kinds:
+                continue
+            e = self._entry(layer, kind)
+            shape = (e.num_tokens, *e.row_shape) if isinstance(e, _SeqEntry) else e.shape
+            dtype = torch.promote_types(e.dtype, torch.float32)
+            self._grads[(layer, kind)] = torch.zeros(shape, dtype=dtype, device=self.storage_device)
 
-        Replay reads the leaf instead of the plain fetch; after backward, :meth:`grad` returns
-        d(loss)/d(state), to be pushed back through the prompt. Repeated calls return the same leaf,
-        so the gradient is the sum over every member replayed (and every checkpoint recompute). CPU leaves are copies (never
-        aliases of the pages).
-        """
-        existing = self._leaves.get((layer_idx, kind))
-        if existing is not None and existing.device == torch.device(device):
-            return existing  # one leaf per state: gradients accumulate across members and recomputes
-        t = self.fetch(layer_idx, kind, device)
-        t = t.detach().clone() if t.device.type == "cpu" else t.detach()
-        t.requires_grad_(True)
-        self._leaves[(layer_idx, kind)] = t
-        return t
+    def has_grad(self, layer_idx: int, kind: str) -> bool:
+        return (layer_idx, kind) in self._grads
+
+    def add_grad(self, layer_idx: int, kind: str, grad: torch.Tensor, rows=None) -> None:
+        """Add `grad` to the cotangent of (layer, kind): the whole tensor, or its `rows` (a slice,
+        or a 1-D index tensor of distinct rows)."""
+        buffer = self._grads[(layer_idx, kind)]
+        grad = grad.to(buffer.device, buffer.dtype).reshape((-1, *buffer.shape[1:])
+                                                            if rows is not None else buffer.shape)
+        if rows is None:
+            buffer.add_(grad)
+        elif isinstance(rows, slice):
+            buffer[rows].add_(grad)
+        else:
+            buffer.index_add_(0, rows.to(buffer.device), grad)
 
     def grad(self, layer_idx: int, kind: str) -> torch.Tensor | None:
-        """Accumulated ``.grad`` of the leaf from :meth:`leaf` (None if no leaf or never used)."""
-        t = self._leaves.get((layer_idx, kind))
-        return None if t is None else t.grad
+        """The cotangent buffer of (layer, kind) (None when :meth:`keep_grads` did not keep one)."""
+        return self._grads.get((layer_idx, kind))
 
     def pop_grad(self, layer_idx: int, kind: str) -> torch.Tensor | None:
-        """:meth:`grad`, and the leaf is dropped (the prompt backward has used its cotangent)."""
-        t = self._leaves.pop((layer_idx, kind), None)
-        return None if t is None else t.grad
+        """:meth:`grad`, and the buffer is dropped (the prompt backward has used it)."""
+        return self._grads.pop((layer_idx, kind), None)
+
+    def zero_(self) -> None:
+        """Set every stored row and fixed state to zero, in place (the online loop's control run:
+        a policy that sees nothing of the captured prompt)."""
+        self.synchronize()
+        for layer in self._seq.values():
+            for entry in layer.values():
+                for page in entry.pages:
+                    page.zero_()
+        for layer in self._fixed.values():
+            for tensor in layer.values():
+                tensor.zero_()
+        self._prefetched.clear()
+
+    def drop_grads(self) -> None:
+        """Free every cotangent buffer (the prompt backward has used them)."""
+        self._grads.clear()
+
+    def differentiable(self, value: torch.Tensor, layer_idx: int, kind: str, rows=None) -> torch.Tensor:
+        """`value` (what :meth:`fetch` gave for (layer, kind), or its `rows`) as a differentiable
+        input whose cotangent is added to the buffer (:meth:`add_grad`) when autograd reaches it:
+        no leaf, no `.grad` of the page's size, one addition per backward that uses it."""
+        anchor = torch.empty(0, device=value.device, requires_grad=True)
+        return _IntoGradBuffer.apply(anchor, value.detach(),
+                                     lambda grad: self.add_grad(layer_idx, kind, grad, rows))
 
     # ------------------------------------------------------------------ misc
     def clear(self) -> None:
@@ -363,7 +415,7 @@ class PageStore:
         self._fixed.clear()
         self._order.clear()
         self._prefetched.clear()
-        self._leaves.clear()
+        self._grads.clear()
 
     def __repr__(self) -> str:
         return (

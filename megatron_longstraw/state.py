@@ -15,9 +15,18 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              reuses).
 - `replay`:  the same pass under autograd (one member's training graph).
 - `prompt_backward`: the prompt again, under autograd, one decoder layer at a time (exact prompt
-             gradient, prompt_backward.py): each mixer attends as in capture, with capture's
-             selections, and hands the differentiable state it would write to `emitted`.
-Decoding will be one more mode of the same dispatch.
+             gradient, prompt_backward.py). On one process, one token block at a time: the block's
+             queries attend over the layer's pages (key cotangents to the page buffers), and a
+             mixer that carries state (GDN) starts from `carried` and hands the state at the
+             block's end to `emitted`. Under CP (`forward_prompt_backward_sharded`), this rank's
+             whole shard: each mixer attends as in capture, with capture's selections, and hands
+             the differentiable state it would write to `emitted`.
+- `prompt_rows`: the prompt block's key rows (what capture wrote for it) as functions of its
+             input, handed to `emitted`; nothing is attended (the second half of a block of the
+             blockwise prompt backward).
+- `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
+             mixer appends a row's state to its member's branch cache and attends the member's
+             query over the prompt's pages plus that cache (no autograd).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 
-Mode = Literal["full", "capture", "score", "replay", "prompt_backward"]
+Mode = Literal["full", "capture", "score", "replay", "prompt_backward", "prompt_rows", "decode"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
 
@@ -94,11 +103,22 @@ class AttentionPass:
     reuse_selections: bool = False
     """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
     prompt_state_grad: bool = False
-    """Read prompt pages as `requires_grad` leaves (`PageStore.leaf`) so that d loss / d state is
-    available after backward: the hook for the exact prompt-gradient mode (docs/design.md section 7)."""
+    """Prompt pages read in this pass send their cotangents to the pages' buffers
+    (`PageStore.keep_grads`): the exact prompt-gradient mode (docs/design.md section 7)."""
     emitted: Optional[dict[tuple[int, str], torch.Tensor]] = None
-    """`prompt_backward`: each mixer's differentiable page state by (layer, kind), the tensors
-    whose cotangents replay accumulated on the pages."""
+    """`prompt_backward` / `prompt_rows`: each mixer's differentiable state by (layer, kind) (key
+    rows, or the carried state at the block's end), to be given their cotangents."""
+    carried: Optional[dict[str, Optional[torch.Tensor]]] = None
+    """Blockwise `prompt_backward`: the carried state by kind at the block's start (kept by
+    capture in `boundaries`; None: the zero start state), for a mixer that carries one (GDN)."""
+    decode: Optional[object] = None
+    """`decode`: the members' branch caches (`decode.DecodeCache`); row i of the current tokens is
+    member `decode.members[i]`'s newest token."""
+    member_selections: Optional[list[dict]] = None
+    """`decode`: per row, its member's DSA selections of this step (`decode.member_pass`)."""
+    boundaries: Optional[dict[int, list]] = None
+    """`capture` for the exact gradient on one process: per layer, the carried state (by kind) at
+    the start of each token block, appended by mixers that carry one."""
     used_selections: Optional[dict[int, torch.Tensor]] = None
     """When a dict, every layer records the top-k it attended with (tests, diagnostics)."""
     query_block: int = 1024
@@ -109,6 +129,17 @@ class AttentionPass:
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
     cp: CPPass = field(default_factory=CPPass)
     """Context-parallel part (size 1: everything on this process); frozen."""
+
+
+def member_pass(state: AttentionPass, row: int) -> AttentionPass:
+    """`decode`: the pass seen by the query of row `row` in a decode step: its position, its member's own
+    top-k selections of this step (IndexShare layers read their source layer's for the same
+    member)."""
+    return AttentionPass(mode="decode", positions=state.positions[row:row + 1], pages=state.pages,
+                         prefix_len=state.prefix_len, selections=state.member_selections[row],
+                         query_block=state.query_block, key_block=state.key_block,
+                         token_block=state.token_block, cp=state.cp, decode=state.decode)
+
 
 
 _CURRENT: list[AttentionPass] = []

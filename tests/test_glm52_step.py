@@ -201,8 +201,8 @@ def test_group_of_one_rejected():
 
 
 def test_prompt_state_gradients_on_request():
-    """Exact prompt-gradient hook: with `prompt_state_grad`, replay leaves d loss / d latent pages
-    on the store (one gradient per captured row, non-zero only on rows some query selected)."""
+    """Exact prompt gradient: with `prompt_state_grad`, replay adds d loss / d latent pages
+    to the store's buffers (one gradient per captured row, non-zero only on rows some query selected)."""
     cfg, model = build_tiny_glm(torch.float64)
     group = _group(cfg.vocab_size, lens=(7,))
     ls = _small_blocks()
@@ -212,6 +212,7 @@ def test_prompt_state_gradients_on_request():
     branch = replay_mod.make_branch(captured, response)
     state = replay_mod._pass(captured, branch, ls, selections=None)
     state.prompt_state_grad = True
+    captured.pages.keep_grads()
     with attention_pass(state):
         logp = replay_mod._run_branch(model, captured, branch, checkpoint_layers=True)
         logp.sum().backward()

@@ -143,23 +143,29 @@ def test_iter_layers_order_and_fetch_cpu():
     assert torch.equal(store.fetch(0, "latent"), torch.zeros(5, 2))
 
 
-def test_leaf_grad_round_trip():
-    store = PageStore(page_tokens=4)  # one page: the CPU fetch is a view, the leaf must not be
+def test_differentiable_reads_add_their_cotangents_to_the_page_buffer():
+    store = PageStore(page_tokens=2)  # two pages: rows 0-1 and 2
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     store.append(0, "latent", x)
-    assert store.grad(0, "latent") is None
-    leaf = store.leaf(0, "latent")
-    assert leaf.is_leaf and leaf.requires_grad
-    assert store.grad(0, "latent") is None  # not used yet
+    store.put(0, "state", torch.tensor([1.0, -1.0]))
+    assert store.grad(0, "latent") is None and not store.has_grad(0, "latent")
+    store.keep_grads(["latent"])                     # no buffer for the other kind
+    assert torch.equal(store.grad(0, "latent"), torch.zeros(3, 2)) and not store.has_grad(0, "state")
     w = torch.tensor([10.0, -1.0])
-    loss = ((leaf * w).sum(dim=1) ** 2).sum()  # d/dx[i, j] = 2 * (x_i . w) * w_j
-    loss.backward()
-    # x.w = [8, 26, 44]
+    whole = store.differentiable(store.fetch(0, "latent"), 0, "latent")
+    assert not whole.is_leaf and whole.requires_grad
+    ((whole * w).sum(dim=1) ** 2).sum().backward()   # d/dx[i, j] = 2 * (x_i . w) * w_j, x.w = [8, 26, 44]
     expected = torch.tensor([[160.0, -16.0], [520.0, -52.0], [880.0, -88.0]])
     assert torch.equal(store.grad(0, "latent"), expected)
-    with torch.no_grad():
-        leaf.add_(100.0)  # the leaf never aliases the stored pages
-    assert torch.equal(store.fetch(0, "latent"), x)
+    # Rows read by index (a sparse selection) add at those rows only; a second read adds again.
+    rows = torch.tensor([0, 2])
+    picked = store.differentiable(store.fetch(0, "latent")[rows], 0, "latent", rows=rows)
+    (picked * torch.tensor([[1.0, 0.0], [0.0, 2.0]])).sum().backward()
+    assert torch.equal(store.grad(0, "latent"), expected + torch.tensor([[1.0, 0], [0, 0], [0, 2.0]]))
+    store.add_grad(0, "latent", torch.ones(1, 2), slice(1, 2))
+    assert torch.equal(store.pop_grad(0, "latent")[1], expected[1] + 1)
+    assert store.grad(0, "latent") is None
+    assert torch.equal(store.fetch(0, "latent"), x)  # the pages themselves never change
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
@@ -176,7 +182,7 @@ def test_clear_empties_and_bytes_zero():
     store = PageStore(page_tokens=4)
     store.append(0, "latent", _rows(9))
     store.put(1, "gdn_state", torch.ones(4))
-    store.leaf(0, "latent")
+    store.keep_grads()
     assert store.nbytes() == 9 * 576 * 4 + 16
     store.clear()
     assert store.nbytes() == 0 and store.nbytes(allocated=True) == 0

@@ -388,23 +388,34 @@ def test_cli_qwen36_full_size(tmp_path):
 @pytest.mark.parametrize("family", ["glm52", "qwen36"])
 @pytest.mark.parametrize("prompt_len", [100, 300])
 def test_prompt_backward_inputs_equal_what_capture_keeps(family, prompt_len):
-    """The exact prompt gradient's host line: every layer's input, the token ids and (GLM-5.2)
-    every full indexer layer's selection, as capture keeps them (fp32, CP 1), exactly."""
+    """The exact prompt gradient's host lines against what capture keeps (fp32, CP 1, blocks of
+    64 tokens), exactly: every layer's input, the token ids and (GLM-5.2) every full indexer
+    layer's selection; the running cotangent; the pages' cotangent buffers (no index keys);
+    (Qwen3.6) the GDN state and conv tail at every token block's start."""
     from helpers import build_tiny_qwen
 
     cfg, model = (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    kept = capture_prompt(model, prompt, LongStrawConfig(group_size=2),
-                          keep_for_backward=True).backward
-    measured = (sum(t.numel() * t.element_size() for t in kept.layer_inputs)
-                + kept.token_ids.numel() * kept.token_ids.element_size()
-                + sum(t.numel() * t.element_size() for t in kept.selections.values()))
-    assert planner.prompt_backward_inputs_bytes(cfg, prompt_len - 1, 4, prompt_len) == measured
+    captured = capture_prompt(model, prompt, LongStrawConfig(group_size=2, token_block=64),
+                              keep_for_backward=True)
+    kept, pages = captured.backward, captured.pages
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    inputs = (nbytes(kept.layer_inputs) + nbytes([kept.token_ids])
+              + nbytes(kept.selections.values()))
+    buffers = nbytes(pages.grad(layer, kind) for layer in pages.layers() for kind in pages.kinds(layer))
+    boundaries = nbytes(t for blocks in (kept.boundaries or {}).values() for start in blocks
+                        for t in start.values())
+    assert (boundaries > 0) == (family == "qwen36")
+    measured = inputs + nbytes([kept.cotangent]) + buffers + boundaries
+    assert planner.prompt_backward_inputs_bytes(cfg, prompt_len - 1, 4, prompt_len) == inputs
     spec = (_qwen_spec(cfg, prompt_len, 8, 4) if family == "qwen36"
             else _tiny_spec(cfg, prompt_len, 8))
+    spec = dataclasses.replace(spec, token_block=64)
     exact = planner.plan(dataclasses.replace(spec, prompt_grad="exact"), search_max=False)
     detached = planner.plan(spec, search_max=False)
     assert sum(i.bytes for i in exact.host_items) - sum(i.bytes for i in detached.host_items) \
-        == pytest.approx(planner.prompt_backward_inputs_bytes(cfg, prompt_len - 1, spec.act_bytes,
-                                                               prompt_len))
+        == measured
     assert "prompt backward" in exact.phase_totals

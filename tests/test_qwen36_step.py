@@ -208,8 +208,8 @@ def test_gradients_all_params_with_a_one_token_prompt(checkpoint_layers):
 
 
 def test_prompt_state_gradients_on_request():
-    """Exact prompt-gradient hook: with `prompt_state_grad`, replay leaves d loss / d state on the
-    store for every kind (GDN state and conv tail, K/V pages), and it is the true derivative: a
+    """Exact prompt gradient: with `prompt_state_grad`, replay adds d loss / d state on the
+    store's buffers for every kind (GDN state and conv tail, K/V pages), and it is the true derivative: a
     central finite difference along a random direction agrees (fp64, relative 1e-6; the difference
     quotient's own error, truncation O(eps^2) plus rounding ~1e-14 / eps, is ~1e-8)."""
     from megatron_longstraw import replay as replay_mod
@@ -223,6 +223,7 @@ def test_prompt_state_gradients_on_request():
     branch = replay_mod.make_branch(captured, response)
     state = replay_mod._pass(captured, branch, ls, selections=None)
     state.prompt_state_grad = True
+    captured.pages.keep_grads()
     with attention_pass(state):
         logp = replay_mod._run_branch(model, captured, branch, checkpoint_layers=True)
         logp.sum().backward()

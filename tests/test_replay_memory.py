@@ -21,6 +21,7 @@ from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
 pytestmark = pytest.mark.usefixtures("single_process")
 
 P = 384
+P_EXACT = 192   # the exact prompt gradient's runs (the prompt backward recomputes every layer)
 BLOCKS = dict(key_block=64, query_block=16, token_block=64)
 
 
@@ -39,13 +40,13 @@ def _row_bytes(family, cfg) -> int:
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
-def _phases(model, vocab, prompt_len, members=2):
+def _phases(model, vocab, prompt_len, members=2, prompt_grad="detached"):
     gen = torch.Generator().manual_seed(3)
     group = GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
                       response_ids=[torch.randint(0, vocab, (16,), generator=gen)
                                     for _ in range(members)],
                       rewards=torch.linspace(0, 1, members, dtype=torch.float64))
-    ls = LongStrawConfig(group_size=members, max_response_len=64, **BLOCKS)
+    ls = LongStrawConfig(group_size=members, max_response_len=64, prompt_grad=prompt_grad, **BLOCKS)
     with LiveBytesMeter("cpu") as meter:
         forward_backward_longstraw(model, group, ls)
     own = {}
@@ -56,16 +57,20 @@ def _phases(model, vocab, prompt_len, members=2):
 
 @pytest.fixture(scope="module", params=["glm52", "qwen36", "deepseekv3"])
 def measured(request):
-    """(family, config, own peaks at P, at 4P, and at P with G = 4) after a warm-up run (one-time
-    allocations: caches, lazy state)."""
+    """(family, config, own peaks at P, at 4P, and at P with G = 4, and the exact prompt
+    gradient's at P and 4P) after a warm-up run of each mode (one-time allocations: caches, lazy
+    state)."""
     cfg, model = _build(request.param)
     _phases(model, cfg.vocab_size, 64)
+    _phases(model, cfg.vocab_size, 64, prompt_grad="exact")
     return (request.param, cfg, _phases(model, cfg.vocab_size, P),
-            _phases(model, cfg.vocab_size, 4 * P), _phases(model, cfg.vocab_size, P, members=4))
+            _phases(model, cfg.vocab_size, 4 * P), _phases(model, cfg.vocab_size, P, members=4),
+            _phases(model, cfg.vocab_size, P_EXACT, prompt_grad="exact"),
+            _phases(model, cfg.vocab_size, 4 * P_EXACT, prompt_grad="exact"))
 
 
 def test_replay_peak_live_bytes_flat_from_p_to_4p_and_in_group_size(measured):
-    family, cfg, at_p, at_4p, four_members = measured
+    family, cfg, at_p, at_4p, four_members, _, _ = measured
     bound = _row_bytes(family, cfg) * 3 * P // 4
     growth = at_4p["replay"] - at_p["replay"]
     print(f"{family}: replay own peak {at_p['replay']} B at P={P}, {at_4p['replay']} B at "
@@ -82,10 +87,52 @@ def test_scoring_peak_grows_at_most_by_the_index_key_window(measured):
     """Scoring computes the DSA top-k over the prompt's index keys (GLM-5.2): that layer's index
     keys and positions ([P, index_head_dim] + int64, the stated window) are its only P-sized
     tensors; the dense families hold none."""
-    family, cfg, at_p, at_4p, _ = measured
+    family, cfg, at_p, at_4p, _, _, _ = measured
     growth = at_4p["scoring"] - at_p["scoring"]
     window = (cfg.index_head_dim * 4 + 8) * 3 * P if family == "glm52" else 0
     assert growth <= window + _row_bytes(family, cfg) * 3 * P // 4
+
+
+def test_exact_mode_replay_and_prompt_backward_peaks_flat_from_p_to_4p(measured):
+    """The exact prompt gradient: replay sends the prompt rows' cotangents to the page buffers
+    (only selected rows, or one key window, at a time) and the prompt backward recomputes one
+    token block at a time, so neither phase's own peak grows with P beyond the replay bound
+    (the prompt-sized buffers, pages' cotangents and kept layer inputs, are capture's)."""
+    family, cfg, _, _, _, at_p, at_4p = measured
+    bound = _row_bytes(family, cfg) * 3 * P_EXACT // 4
+    for phase in ("replay", "prompt_backward"):
+        growth = at_4p[phase] - at_p[phase]
+        print(f"{family} exact: {phase} own peak {at_p[phase]} B at P={P_EXACT}, {at_4p[phase]} B "
+              f"at P={4 * P_EXACT} (growth {growth} B, bound {bound} B)")
+        assert at_p[phase] > 0
+        assert growth <= bound, (phase, growth, bound)
+
+
+def test_the_meter_catches_a_prompt_backward_gradient_over_the_whole_key_axis(monkeypatch):
+    """A prompt backward whose dense attention hands the page's keys to autograd whole (a
+    [P, groups, d] gradient per query block, sent to the buffer afterwards) fails that bound.
+    DeepSeek-V3's tiny model: its phase peak is the attention's (Qwen3.6's is a GDN block's
+    chunked delta rule, larger than these keys at this P; observed: DeepSeek-V3 0.76 MB flat,
+    1.8 -> 16 MB with whole keys)."""
+    from megatron_longstraw.kernels import refs
+
+    def whole(q, source, q_pos, scale, key_block):
+        keys = source.keys.detach().requires_grad_()
+        values = source.values.detach().requires_grad_()
+
+        def to_buffers(grad_k, grad_v):
+            source.key_grads(0, grad_k.shape[0], grad_k, grad_v)
+
+        keys.register_hook(lambda g: to_buffers(g, torch.zeros_like(values)))
+        values.register_hook(lambda g: to_buffers(torch.zeros_like(keys), g))
+        return refs.blockwise_attention(q, keys, values, q_pos, source.positions, scale, key_block)
+
+    cfg, model = _build("deepseekv3")
+    monkeypatch.setattr(refs, "streamed_attention", whole)
+    _phases(model, cfg.vocab_size, 64, prompt_grad="exact")
+    growth = (_phases(model, cfg.vocab_size, 4 * P_EXACT, prompt_grad="exact")["prompt_backward"]
+              - _phases(model, cfg.vocab_size, P_EXACT, prompt_grad="exact")["prompt_backward"])
+    assert growth > _row_bytes("deepseekv3", cfg) * 3 * P_EXACT // 4
 
 
 def test_the_meter_catches_a_gradient_over_the_whole_key_axis(monkeypatch):
@@ -95,8 +142,8 @@ def test_the_meter_catches_a_gradient_over_the_whole_key_axis(monkeypatch):
     from megatron_longstraw.models import partials
 
     def concatenated(query, parts, indices, scale, v_dim):
-        return select.kernels().sparse_mla_attention(query, torch.cat(list(parts)), indices,
-                                                     scale, v_dim)
+        rows = [p.rows if isinstance(p, partials.PageRows) else p for p in parts]
+        return select.kernels().sparse_mla_attention(query, torch.cat(rows), indices, scale, v_dim)
 
     cfg, model = _build("glm52")
     _phases(model, cfg.vocab_size, 64)

@@ -216,6 +216,64 @@ def _visible_key_blocks(q_pos, k_pos, key_block):
             yield start, end
 
 
+def _attention_forward(q, windows, q_pos, scale, key_block):
+    """Flash-style forward over key windows: q grouped [s, g, r, d]; `windows(start, end)` ->
+    (k [t, g, d], v [t, g, d_v], key positions [t]) of the key rows [start, end) that some query
+    sees (`windows.blocks(q_pos, key_block)` lists them). -> (out in q's dtype, lse [s, g, r])"""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = lse = None
+    for start, end in windows.blocks(q_pos, key_block):
+        k, v, k_pos = windows(start, end)
+        scores = _causal_scores(q, k, q_pos, k_pos, scale, acc)
+        block_lse = torch.logsumexp(scores, dim=-1)                # [s, g, r]
+        probs = lse_merge_weights(scores, block_lse[..., None])
+        block_out = torch.einsum("sgrt,tgd->sgrd", probs, v.to(acc))
+        out, lse = ((block_out, block_lse) if out is None else
+                    merge_partial_attention([out, block_out], [lse, block_lse]))
+    if out is None:                                                  # no visible key
+        out = torch.zeros(q.shape[:3] + (windows.value_dim,), dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    return out.to(q.dtype), lse
+
+
+def _attention_backward(q, windows, q_pos, scale, key_block, out, lse, grad_out, grad_lse,
+                        key_grads):
+    """The backward of `_attention_forward`, recomputing each window's scores. `key_grads(start,
+    end, grad_k, grad_v)` receives each window's key cotangents (None: not needed). -> grad_q"""
+    acc = lse.dtype
+    grad_out = grad_out.to(acc)
+    q_acc = q.to(acc)
+    # d lse / d score = prob, so a log-sum-exp gradient enters like -delta (flash backward).
+    delta = (grad_out * out.to(acc)).sum(-1)                        # [s, g, r]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc).nan_to_num(0.0)
+    grad_q = torch.zeros_like(q_acc)
+    for start, end in windows.blocks(q_pos, key_block):
+        k, v, k_pos = windows(start, end)
+        k_blk, v_blk = k.to(acc), v.to(acc)
+        probs = lse_merge_weights(_causal_scores(q_acc, k_blk, q_pos, k_pos, scale, acc),
+                                  lse[..., None])                  # [s, g, r, t]
+        grad_scores = probs * (torch.einsum("sgrd,tgd->sgrt", grad_out, v_blk) - delta[..., None])
+        grad_q += torch.einsum("sgrt,tgd->sgrd", grad_scores, k_blk) * scale
+        if key_grads is not None:
+            key_grads(start, end, torch.einsum("sgrt,sgrd->tgd", grad_scores, q_acc) * scale,
+                      torch.einsum("sgrt,sgrd->tgd", probs, grad_out))
+    return grad_q.to(q.dtype)
+
+
+class _HeldKeys:
+    """Key windows of tensors held here (`_attention_forward`'s `windows`)."""
+
+    def __init__(self, k, v, k_pos):
+        self.k, self.v, self.k_pos, self.value_dim = k, v, k_pos, v.shape[-1]
+
+    def __call__(self, start, end):
+        return self.k[start:end], self.v[start:end], self.k_pos[start:end]
+
+    def blocks(self, q_pos, key_block):
+        return _visible_key_blocks(q_pos, self.k_pos, key_block)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     """Causal GQA softmax attention over keys in blocks, each block's partial result merged into
     the running one by `merge_partial_attention`, with a backward that recomputes each block's
@@ -224,16 +282,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, scale: float, key_block: int):
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        for start, end in _visible_key_blocks(q_pos, k_pos, key_block):
-            scores = _causal_scores(q, k[start:end], q_pos, k_pos[start:end], scale, acc)
-            block_lse = torch.logsumexp(scores, dim=-1)                # [s, g, r]
-            probs = lse_merge_weights(scores, block_lse[..., None])
-            block_out = torch.einsum("sgrt,tgd->sgrd", probs, v[start:end].to(acc))
-            out, lse = merge_partial_attention([out, block_out], [lse, block_lse])
-        out = out.to(q.dtype)
+        out, lse = _attention_forward(q, _HeldKeys(k, v, k_pos), q_pos, scale, key_block)
         ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
         ctx.scale, ctx.key_block = scale, key_block
         return out, lse
@@ -241,28 +290,58 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
-        scale, acc = ctx.scale, lse.dtype
-        grad_out = grad_out.to(acc)
-        q_acc = q.to(acc)
-        # d lse / d score = prob, so a log-sum-exp gradient enters like -delta (flash backward).
-        delta = (grad_out * out.to(acc)).sum(-1)                        # [s, g, r]
-        if grad_lse is not None:
-            delta = delta - grad_lse.to(acc).nan_to_num(0.0)
-        grad_q = torch.zeros_like(q_acc)
-        grad_k = torch.zeros(k.shape, dtype=acc, device=k.device) if ctx.needs_input_grad[1] else None
-        grad_v = torch.zeros(v.shape, dtype=acc, device=v.device) if ctx.needs_input_grad[2] else None
-        for start, end in _visible_key_blocks(q_pos, k_pos, ctx.key_block):
-            k_blk, v_blk = k[start:end].to(acc), v[start:end].to(acc)
-            probs = lse_merge_weights(_causal_scores(q_acc, k_blk, q_pos, k_pos[start:end], scale,
-                                                     acc), lse[..., None])  # [s, g, r, t]
-            if grad_v is not None:
-                grad_v[start:end] += torch.einsum("sgrt,sgrd->tgd", probs, grad_out)
-            grad_scores = probs * (torch.einsum("sgrd,tgd->sgrt", grad_out, v_blk) - delta[..., None])
-            grad_q += torch.einsum("sgrt,tgd->sgrd", grad_scores, k_blk) * scale
+        need_k, need_v = ctx.needs_input_grad[1:3]
+        grad_k = torch.zeros(k.shape, dtype=lse.dtype, device=k.device) if need_k else None
+        grad_v = torch.zeros(v.shape, dtype=lse.dtype, device=v.device) if need_v else None
+
+        def key_grads(start, end, gk, gv):
             if grad_k is not None:
-                grad_k[start:end] += torch.einsum("sgrt,sgrd->tgd", grad_scores, q_acc) * scale
-        return (grad_q.to(q.dtype), None if grad_k is None else grad_k.to(k.dtype),
+                grad_k[start:end] += gk
+            if grad_v is not None:
+                grad_v[start:end] += gv
+
+        grad_q = _attention_backward(q, _HeldKeys(k, v, k_pos), q_pos, ctx.scale, ctx.key_block,
+                                     out, lse, grad_out, grad_lse,
+                                     key_grads if need_k or need_v else None)
+        return (grad_q, None if grad_k is None else grad_k.to(k.dtype),
                 None if grad_v is None else grad_v.to(v.dtype), None, None, None, None)
+
+
+class _StreamedAttention(torch.autograd.Function):
+    """`_BlockwiseAttention` over key rows held outside the graph (`streamed_attention`): each
+    window is read again in the backward and its key cotangents go to the source's sink, so
+    neither pass holds more than one window of keys or of their gradients."""
+
+    @staticmethod
+    def forward(ctx, q, q_pos, source, scale: float, key_block: int):
+        out, lse = _attention_forward(q, source, q_pos, scale, key_block)
+        ctx.save_for_backward(q, q_pos, out, lse)
+        ctx.source, ctx.scale, ctx.key_block = source, scale, key_block
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, q_pos, out, lse = ctx.saved_tensors
+        source = ctx.source
+        grad_q = _attention_backward(q, source, q_pos, ctx.scale, ctx.key_block, out, lse,
+                                     grad_out, grad_lse, source.key_grads)
+        return grad_q, None, None, None, None
+
+
+def streamed_attention(q: torch.Tensor, source, q_pos: torch.Tensor, scale: float,
+                       key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`blockwise_attention` over keys that a `source` reads window by window (e.g. from the
+    prompt's pages) instead of tensors in the graph: `source(start, end)` -> (k [t, g, d], v [t, g,
+    d_v], key positions [t]); `source.blocks(q_pos, key_block)` -> the windows (start, end) some
+    query sees; `source.value_dim`; `source.key_grads(start, end, grad_k, grad_v)` or None: where
+    each window's key cotangents go (the exact prompt gradient's page accumulators), so no
+    gradient buffer of the keys' size is formed. q [s, heads, d] must be the differentiable input.
+    -> (out [s, heads, d_v], lse [s, heads])"""
+    groups = source.groups
+    grouped = q.reshape(q.shape[0], groups, q.shape[1] // groups, q.shape[2])
+    out, lse = _StreamedAttention.apply(grouped, q_pos, source, scale, key_block)
+    return (out.reshape(q.shape[0], q.shape[1], source.value_dim),
+            lse.reshape(q.shape[0], q.shape[1]))
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -24,6 +24,17 @@ def is_mixer(layer) -> bool:
     return hasattr(layer, "self_attention") and not _is_identity(layer.self_attention)
 
 
+def mixer_of(group):
+    """The mixer module (`self_attention`) of a decoder layer's group."""
+    return next(layer.self_attention for layer in group if is_mixer(layer))
+
+
+def selection_kinds(model) -> set[str]:
+    """Page kinds that only feed a discrete selection (DSA index keys): no prompt gradient."""
+    return {kind for group in decoder_groups(model)
+            for kind in getattr(mixer_of(group), "selection_kinds", ())}
+
+
 def _is_identity(module) -> bool:
     return type(module).__name__ == "IdentityOp"
 
@@ -52,13 +63,18 @@ def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.embedding(input_ids=input_ids[None, :], position_ids=None)
 
 
-def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Final norm + output layer + log-softmax at the targets. hidden [s, 1, h], targets [s] -> [s]
-    (float32 or wider)."""
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm + output layer. hidden [s, 1, h] -> logits [s, vocab] (float32 or wider)."""
     hidden = model.decoder.final_norm(hidden)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=weight)
-    logits = logits[:, 0].to(torch.promote_types(logits.dtype, torch.float32))
+    return logits[:, 0].to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`head_logits` + log-softmax at the targets. hidden [s, 1, h], targets [s] -> [s]
+    (float32 or wider)."""
+    logits = head_logits(model, hidden)
     return F.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 

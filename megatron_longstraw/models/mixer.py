@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_longstraw.models import partials
 from megatron_longstraw.state import AttentionPass, current_pass
 
 
@@ -90,13 +91,42 @@ class StateAwareMixer:
     def read_page(self, state: AttentionPass, kind: str, device, dtype: torch.dtype | None = None,
                   differentiable: bool = True) -> torch.Tensor:
         """This layer's captured `kind` on `device` (as `dtype`). With the pass's
-        `prompt_state_grad` and `differentiable`, a leaf that collects d loss / d state
-        (`PageStore.leaf`); otherwise a constant."""
-        if differentiable and state.prompt_state_grad:
-            page = state.pages.leaf(self.layer_idx, kind, device)
-        else:
-            page = state.pages.fetch(self.layer_idx, kind, device)
-        return page if dtype is None else page.to(dtype)
+        `prompt_state_grad` and `differentiable`, its cotangent is added to the page's buffer
+        (`PageStore.differentiable`: the whole tensor, for fixed-size state; key rows go through
+        `page_rows` / `page_keys`, which never form a gradient of the page's size); otherwise a
+        constant."""
+        page = state.pages.fetch(self.layer_idx, kind, device)
+        page = page if dtype is None else page.to(dtype)
+        if differentiable and self._keeps_grad(state, kind):
+            return state.pages.differentiable(page, self.layer_idx, kind)
+        return page
+
+    def page_rows(self, state: AttentionPass, kind: str, device, dtype) -> partials.PageRows:
+        """This layer's captured rows of `kind` as a sparse attention part (`partials.PageRows`:
+        with the exact prompt gradient, the selected rows' cotangents go to the page's buffer)."""
+        rows = self.read_page(state, kind, device, dtype, differentiable=False)
+        store = state.pages if self._keeps_grad(state, kind) else None
+        return partials.PageRows(rows, store, self.layer_idx, kind)
+
+    def key_grads(self, state: AttentionPass, kind: str) -> Callable | None:
+        """`(start, end, grad)` -> added to rows [start, end) of the page buffer of `kind` (the
+        sink of a `partials.PageKeys` part), or None when this pass keeps no prompt gradient."""
+        if not self._keeps_grad(state, kind):
+            return None
+        return lambda start, end, grad: state.pages.add_grad(self.layer_idx, kind, grad,
+                                                             slice(start, end))
+
+    def decode_rows(self, state: AttentionPass, row: int, kind: str,
+                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`: append row `row`'s new `rows` [1, ...] of `kind` to its member's branch
+        cache -> (all its rows so far [n, ...], their global positions [n])."""
+        cached = state.decode.append(row, self.layer_idx, kind, rows)
+        positions = torch.arange(state.prefix_len, state.prefix_len + cached.shape[0],
+                                 device=cached.device)
+        return cached, positions
+
+    def _keeps_grad(self, state: AttentionPass, kind: str) -> bool:
+        return state.prompt_state_grad and state.pages.has_grad(self.layer_idx, kind)
 
     def write_rows(self, state: AttentionPass, kind: str, rows: torch.Tensor) -> None:
         """Append per-token rows [n, ...] of `kind` (capture, in position order of this rank)."""

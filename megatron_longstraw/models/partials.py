@@ -8,15 +8,74 @@ Instead each part is attended on its own, and the partial results merge by log-s
 (`kernels/refs.merge_partial_attention`, differentiable), which is exact: softmax over a union of
 disjoint key sets. A constant part then gets no gradient buffer at all, and a differentiable one a
 buffer of its own size (docs/design.md section 7).
+
+With the exact prompt gradient the prompt's rows need cotangents too, and they go to the pages'
+buffers (`PageStore.keep_grads`) without a buffer of the prompt's size on the way: a `PageRows`
+part (sparse attention) hands autograd only the rows its selection reads, and a `PageKeys` part
+(dense attention) is attended by `refs.streamed_attention`, whose backward adds each key window's
+cotangents to the buffers as it goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from megatron_longstraw.kernels import refs, select
+
+
+@dataclass
+class PageRows:
+    """A sparse attention part of captured latent rows `rows` [t, d_qk] (this layer's page
+    window). With `store` (the exact prompt gradient) the rows a query block selects are handed
+    to autograd as one gathered tensor whose cotangent goes to the page's buffer at those rows
+    (`PageStore.differentiable`); without, the rows are a constant."""
+
+    rows: torch.Tensor
+    store: object = None
+    layer: int = -1
+    kind: str = ""
+
+    def selected(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows the kernel reads, `local` [s, k] indices into them)."""
+        if self.store is None:
+            return self.rows, local
+        valid = local >= 0
+        used = local[valid].unique()                                  # sorted, distinct
+        if used.numel() == 0:                                         # nothing selected here
+            return self.rows[:1], local
+        remapped = torch.full_like(local, -1)
+        remapped[valid] = torch.searchsorted(used, local[valid])
+        return self.store.differentiable(self.rows[used], self.layer, self.kind, rows=used), remapped
+
+
+@dataclass
+class PageKeys:
+    """A dense attention part of captured key rows: keys [t, g, d], values [t, g, d_v], key
+    positions [t] (this layer's page window). With `key_grads(start, end, grad_k, grad_v)` (the
+    exact prompt gradient) it is attended by `refs.streamed_attention` (the source protocol), and
+    each key window's cotangents go to `key_grads`; without, it is a constant part like a tuple."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    key_grads: Callable | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1]
+
+    def __call__(self, start: int, end: int):
+        return self.keys[start:end], self.values[start:end], self.positions[start:end]
+
+    def blocks(self, q_pos: torch.Tensor, key_block: int):
+        return refs._visible_key_blocks(q_pos, self.positions, key_block)
 
 
 def prompt_key_positions(prefix_len: int, device) -> torch.Tensor:
@@ -69,11 +128,15 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
 def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torch.Tensor,
                scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel selector's `sparse_mla_attention` over latent rows held in `parts` ([n_i, d_qk]
-    each); `indices` [s, k] index their concatenation (-1 = skip). -> (out [s, h, v_dim], lse)"""
+    each, or a `PageRows`); `indices` [s, k] index their concatenation (-1 = skip).
+    -> (out [s, h, v_dim], lse)"""
     outs, lses, first = [], [], 0
-    for rows in parts:
+    for part in parts:
+        held = part.rows if isinstance(part, PageRows) else part
         local = indices - first
-        local = torch.where((indices >= first) & (local < rows.shape[0]), local, -1)
+        local = torch.where((indices >= first) & (local < held.shape[0]), local, -1)
+        first += held.shape[0]
+        rows, local = part.selected(local) if isinstance(part, PageRows) else (part, local)
         if rows.shape[0] < local.shape[1]:
             # A part of fewer rows than the selection is wide (the branch's own rows): at most
             # that many selected keys are in it, so keep those columns (attention over a set:
@@ -82,19 +145,23 @@ def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torc
         out, lse = select.kernels().sparse_mla_attention(query, rows, local, scale, v_dim)
         outs.append(out)
         lses.append(lse)
-        first += rows.shape[0]
     return merge(outs, lses)
 
 
-def blockwise(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-              q_pos: torch.Tensor, scale: float, key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def blockwise(q: torch.Tensor, parts: Sequence, q_pos: torch.Tensor, scale: float,
+              key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel selector's `blockwise_attention` of queries [s, heads, d] over key parts
-    (keys [t_i, groups, d], values [t_i, groups, d_v], key positions [t_i]), causal by position.
-    -> (out [s, heads, d_v], lse [s, heads])"""
+    (keys [t_i, groups, d], values [t_i, groups, d_v], key positions [t_i]; or a `PageKeys`),
+    causal by position. -> (out [s, heads, d_v], lse [s, heads])"""
     outs, lses = [], []
-    for keys, values, key_pos in parts:
-        out, lse = select.kernels().blockwise_attention(q, keys, values, q_pos, key_pos, scale,
-                                                        key_block)
+    for part in parts:
+        if isinstance(part, PageKeys) and part.key_grads is not None:
+            out, lse = refs.streamed_attention(q, part, q_pos, scale, key_block)
+        else:
+            keys, values, key_pos = ((part.keys, part.values, part.positions)
+                                     if isinstance(part, PageKeys) else part)
+            out, lse = select.kernels().blockwise_attention(q, keys, values, q_pos, key_pos,
+                                                            scale, key_block)
         outs.append(out)
         lses.append(lse)
     return merge(outs, lses)

@@ -224,23 +224,44 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
 
 def _with_prompt_backward(spec: PlanSpec, fp: Footprint, prompt_len: int, rows: int,
                           logical: float) -> Footprint:
-    """The exact prompt gradient's additions: on the host, what capture keeps for the prompt
-    backward (checked on CPU); on the device from replay on, the pages read as leaves and their
-    accumulated cotangents (two copies of this rank's pages: `PageStore.leaf` keeps the device
-    copy of every layer until the prompt backward). The prompt backward's own working set (one
-    layer's graph over the whole shard) is not counted: it is O(P / CP) until the backward is
-    blockwise."""
-    leaves = Item("page leaves + their cotangents, every layer (exact prompt gradient)",
-                  2 * logical)
-    phases = {name: items + [leaves] if name == "replay" else items
-              for name, items in fp.phases.items()}
-    phases["prompt backward"] = [leaves]
-    host = fp.host + [Item("layer inputs, token ids and DSA selections kept for the prompt "
-                           "backward", prompt_backward_inputs_bytes(spec.model, rows,
-                                                                    spec.act_bytes, prompt_len))]
-    notes = fp.notes + ["exact prompt gradient: the prompt backward's own working set (one "
-                        "layer's graph over the prompt shard) is not counted; it is O(P / CP) "
-                        "until the prompt backward is blockwise"]
+    """The exact prompt gradient's additions (prompt_backward.py). Host: what capture keeps for
+    the prompt backward (layer inputs, token ids, selections; checked on CPU), the running
+    cotangent [P/CP, h], a cotangent buffer beside every page but the index keys (at least fp32),
+    and (CP 1) the GDN state at every token block's start. Device: replay sends the prompt rows'
+    cotangents to the host buffers (selected rows, or one key window, at a time: nothing beside
+    replay's own working set); the prompt backward holds one layer's pages and one token block's
+    graph through one decoder layer (CP 1; under CP, the whole shard's: O(P / CP))."""
+    b = spec.act_bytes
+    stored = lambda k: max(4.0, spec.act_bytes) if k.name == "gdn_state" else spec.latent_bytes
+    buffers = sum(k.num_layers * (rows if k.sequence else 1) * k.row_bytes
+                  * max(4.0, stored(k)) / stored(k) for k in fp.pages if k.name != "index_key")
+    # The carried state at each token block's start; the first block starts from zeros (no state).
+    fixed = {k.name: k for k in fp.pages if not k.sequence}
+    blocks = -(-rows // spec.token_block)
+    boundaries = 0.0
+    if spec.cp == 1 and fixed:
+        boundaries = sum(k.num_layers * (blocks - (k.name == "gdn_state")) * k.row_bytes
+                         for k in fixed.values())
+    branch_rows = max(spec.response_len, 1)
+    block = min(spec.token_block, max(rows, 1)) if spec.cp == 1 else rows
+    window = sum(k.row_bytes * rows for k in fp.pages if k.sequence)
+    window = window / max(max((k.num_layers for k in fp.pages if k.sequence), default=1), 1)
+    phases = dict(fp.phases)
+    phases["prompt backward"] = [
+        Item("one layer's pages (the page window)", window),
+        Item(f"one decoder layer's graph over {'a token block' if spec.cp == 1 else 'the shard'}"
+             " (replay's per-layer working set scaled to its rows)",
+             fp.replay_saved.get("layer_working_set_device", 0.0) * block / branch_rows),
+        Item("running cotangent rows of the block [rows, h] x2", 2 * block * spec.model.hidden_size
+             * b)]
+    host = fp.host + [
+        Item("layer inputs, token ids and DSA selections kept for the prompt backward",
+             prompt_backward_inputs_bytes(spec.model, rows, b, prompt_len)),
+        Item("running cotangent [P/CP, h]", rows * spec.model.hidden_size * b),
+        Item("page cotangent buffers (every page kind but index keys, >= fp32)", buffers),
+        Item("GDN state at every token block's start (CP 1)", boundaries)]
+    notes = fp.notes + ["exact prompt gradient: the prompt backward's device graph is replay's "
+                        "per-layer working set scaled from R to the block's rows (analytic)"]
     return dataclasses.replace(fp, phases=phases, host=host, notes=notes)
 
 

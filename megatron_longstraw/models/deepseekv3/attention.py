@@ -63,6 +63,18 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
                                               state))
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt under autograd (one process): its queries attend over
+        the layer's latent pages (`_page_keys`, streamed: each window's cotangents go to the page
+        buffer); its own latent rows get theirs in `prompt_rows`."""
+        part = self._page_keys(state, x.device, x.dtype, state.cp.prefix_positions)
+        return self._project_out(self._attend(x, state.positions, [part], state))
+
+    def forward_prompt_rows(self, x: torch.Tensor, state: AttentionPass):
+        """The block's latent rows (what capture wrote) to `emit`; nothing attended."""
+        self.emit(state, LATENT, self._latent_rows(x, state.positions))
+        return torch.zeros_like(x), None
+
+    def forward_prompt_backward_sharded(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard) under autograd, causal over the whole prompt's rows
         (gathered under autograd under CP); its latent rows go to `emit`."""
         latents = self._latent_rows(x, state.positions)
@@ -83,9 +95,27 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         latents = self._latent_rows(x, state.positions)
         parts = [(latents, state.positions)]
         if state.prefix_len > 0:
-            parts.insert(0, (self.read_page(state, LATENT, x.device, latents.dtype),
-                             partials.prompt_key_positions(state.prefix_len, x.device)))
+            parts.insert(0, self._page_keys(state, x.device, latents.dtype,
+                                            partials.prompt_key_positions(state.prefix_len,
+                                                                          x.device)))
         return self._project_out(self._attend(x, state.positions, parts, state))
+
+    def forward_decode(self, x: torch.Tensor, state: AttentionPass):
+        """One new token per member (row i: member `state.decode.members[i]`): its latent row
+        joins the member's branch cache; its query attends over the prompt's latent pages plus
+        that cache."""
+        latents = self._latent_rows(x, state.positions)
+        outputs = []
+        for row in range(x.shape[0]):
+            own, positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
+            parts = [(own, positions)]
+            if state.prefix_len > 0:
+                parts.insert(0, self._page_keys(state, x.device, latents.dtype,
+                                                partials.prompt_key_positions(state.prefix_len,
+                                                                              x.device)))
+            outputs.append(self._attend(x[row:row + 1], state.positions[row:row + 1], parts,
+                                        state))
+        return self._project_out(torch.cat(outputs))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
         """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
@@ -123,8 +153,8 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         _, query = self._queries(x, state.positions)
 
         def attend(all_query, all_latents):
-            parts = [(self.read_page(state, LATENT, x.device, own_latents.dtype),
-                      state.cp.prefix_positions),
+            parts = [self._page_keys(state, x.device, own_latents.dtype,
+                                     state.cp.prefix_positions),
                      (all_latents, context_parallel.branch_key_positions(state))]
             return self._dense(all_query, state.cp.branch_positions, parts, state)
 
@@ -132,6 +162,19 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         return self._up_project_values(merged)
 
     # ---- pieces -----------------------------------------------------------------------------
+
+    def _page_keys(self, state: AttentionPass, device, dtype, positions) -> partials.PageKeys:
+        """This layer's latent pages as an MQA part (keys the rows, values their c_kv part) at key
+        `positions`; with the exact prompt gradient, streamed: a window's key and value
+        cotangents add up on its latent rows in the page buffer."""
+        rows = self.read_page(state, LATENT, device, dtype, differentiable=False)
+        rank = self.config.kv_lora_rank
+        latent_grads = self.key_grads(state, LATENT)
+        sink = None if latent_grads is None else (
+            lambda start, end, grad_k, grad_v: latent_grads(
+                start, end, grad_k[:, 0] + torch.nn.functional.pad(
+                    grad_v[:, 0], (0, grad_k.shape[-1] - rank))))
+        return partials.PageKeys(rows[:, None, :], rows[:, None, :rank], positions, sink)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
         """Plain RoPE (`AbsorbedMLA._rope`), or YaRN's frequencies and cos/sin factor."""
@@ -165,7 +208,8 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         key positions [t_i]) as MQA (one K/V group: keys the whole rows, values their c_kv part),
         per query block. -> (out_latent [s, heads, kv_lora_rank], lse [s, heads])."""
         rank = self.config.kv_lora_rank
-        mqa = [(rows[:, None, :], rows[:, None, :rank], pos) for rows, pos in key_parts]
+        mqa = [part if isinstance(part, partials.PageKeys) else
+               (part[0][:, None, :], part[0][:, None, :rank], part[1]) for part in key_parts]
         parts = [partials.blockwise(query[start:start + state.query_block], mqa,
                                     query_positions[start:start + state.query_block],
                                     self.softmax_scale, state.key_block)

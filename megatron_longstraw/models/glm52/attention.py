@@ -27,7 +27,7 @@ from megatron_longstraw.kernels import select
 from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.glm52.config import has_own_indexer
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
-from megatron_longstraw.state import AttentionPass
+from megatron_longstraw.state import AttentionPass, member_pass
 
 INDEX_KEY = "index_key"  # page kind: DSA indexer key rows
 
@@ -62,6 +62,8 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
     """Megatron's MLA self-attention as a state-aware mixer (`models/mixer.py` dispatches the
     modes; see the module docstring for the math)."""
 
+    selection_kinds = (INDEX_KEY,)   # index keys only select: no prompt gradient
+
     @property
     def layer_idx(self) -> int:
         return self.core_attention.layer_idx
@@ -91,6 +93,18 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state, [latents], index_keys, positions))
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt under autograd (one process): its queries attend over
+        the layer's latent pages with capture's selections (`page_rows`: the selected rows'
+        cotangents go to the page buffer); its own latent rows get theirs in `prompt_rows`."""
+        part = self.page_rows(state, LATENT, x.device, x.dtype)
+        return self._project_out(self._attend(x, state, [part], None, None))
+
+    def forward_prompt_rows(self, x: torch.Tensor, state: AttentionPass):
+        """The block's latent rows (what capture wrote) to `emit`; nothing attended."""
+        self.emit(state, LATENT, self._latent_rows(x, state.positions))
+        return torch.zeros_like(x), None
+
+    def forward_prompt_backward_sharded(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard) under autograd, attending as capture did with capture's
         selections (the top-k is discrete: no gradient through it); its latent rows go to `emit`
         (index keys get no cotangent: they only select). Under CP the whole prompt's latent rows
@@ -109,7 +123,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         latents, index_keys = self._token_rows(x, state)
         parts, positions = [latents], state.positions
         if state.prefix_len > 0:
-            parts.insert(0, self.read_page(state, LATENT, x.device, latents.dtype))
+            parts.insert(0, self.page_rows(state, LATENT, x.device, latents.dtype))
             # Index keys feed the top-k only (never a gradient), and only when it is computed
             # here: replay reuses scoring's selections and reads no prompt index keys.
             if index_keys is not None and not state.reuse_selections:
@@ -118,6 +132,31 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                 index_keys = torch.cat([prefix_index, index_keys])
                 positions = torch.cat([torch.arange(state.prefix_len, device=x.device), positions])
         return self._project_out(self._attend(x, state, parts, index_keys, positions))
+
+    def forward_decode(self, x: torch.Tensor, state: AttentionPass):
+        """One new token per member (row i: member `state.decode.members[i]`): its latent row and
+        index key join the member's branch cache; its query attends over the prompt's pages plus
+        that cache, with a top-k over the prompt's and the generated tokens' index keys (full
+        indexer layers) or its source layer's for the same member (IndexShare)."""
+        latents, index_keys = self._token_rows(x, state)
+        outputs = []
+        for row in range(x.shape[0]):
+            member = member_pass(state, row)
+            own, own_positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
+            parts, key_index, key_positions = [own], None, None
+            if index_keys is not None:
+                key_index, _ = self.decode_rows(state, row, INDEX_KEY, index_keys[row:row + 1])
+                key_positions = own_positions
+            if state.prefix_len > 0:
+                parts.insert(0, self.page_rows(state, LATENT, x.device, latents.dtype))
+                if key_index is not None:
+                    prefix_index = self.read_page(state, INDEX_KEY, x.device, key_index.dtype,
+                                                  differentiable=False)
+                    key_index = torch.cat([prefix_index, key_index])
+                    key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
+                                               own_positions])
+            outputs.append(self._attend(x[row:row + 1], member, parts, key_index, key_positions))
+        return self._project_out(torch.cat(outputs))
 
     def _attend(self, x: torch.Tensor, state: AttentionPass, key_parts, key_index,
                 key_positions) -> torch.Tensor:
@@ -178,7 +217,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         def attend(all_query, all_latents):
             # Keys here: this rank's prompt rows, then the branch's rows (two parts); selected
             # positions map to them (-1: a key held by another rank, or a branch key off rank 0).
-            prefix_latents = self.read_page(state, LATENT, x.device, own_latents.dtype)
+            prefix_latents = self.page_rows(state, LATENT, x.device, own_latents.dtype)
             local = context_parallel.local_key_index(selection, cp.prefix_positions,
                                                      state.prefix_len,
                                                      context_parallel.branch_keys_counted_here(state))

@@ -66,6 +66,21 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         return self._causal_in_order(x, state, write_pages=True)
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt under autograd (one process): its queries attend over
+        the layer's K/V pages (`_page_keys`, streamed: each key window's cotangents go to the
+        page buffers); its own K/V rows get theirs in `prompt_rows`."""
+        q, _, _, gate = self._project(x, state.positions)
+        part = self._page_keys(state, x.device, q.dtype, state.cp.prefix_positions)
+        return self.linear_proj(self._gate(self._attend(q, [part], state.positions, state), gate))
+
+    def forward_prompt_rows(self, x: torch.Tensor, state: AttentionPass):
+        """The block's K and V rows (after norm and RoPE: what capture wrote) to `emit`."""
+        _, k, v, _ = self._project(x, state.positions)
+        self.emit(state, KEY, k)
+        self.emit(state, VALUE, v)
+        return torch.zeros_like(x), None
+
+    def forward_prompt_backward_sharded(self, x: torch.Tensor, state: AttentionPass):
         """The prompt (this rank's shard) under autograd over the whole prompt's K/V (gathered
         under autograd under CP); its K and V rows (after norm and RoPE) go to `emit`."""
         q, k, v, gate = self._project(x, state.positions)
@@ -81,6 +96,24 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         return self.linear_proj(self._replay(x, state))
+
+    def forward_decode(self, x: torch.Tensor, state: AttentionPass):
+        """One new token per member (row i: member `state.decode.members[i]`): its K/V rows join
+        the member's branch cache; its query attends over the prompt's K/V pages plus that
+        cache."""
+        q, k, v, gate = self._project(x, state.positions)
+        outputs = []
+        for row in range(x.shape[0]):
+            keys, positions = self.decode_rows(state, row, KEY, k[row:row + 1])
+            values, _ = self.decode_rows(state, row, VALUE, v[row:row + 1])
+            parts = [(keys, values, positions)]
+            if state.prefix_len > 0:
+                parts.insert(0, self._page_keys(state, x.device, k.dtype,
+                                                partials.prompt_key_positions(state.prefix_len,
+                                                                              x.device)))
+            outputs.append(self._attend(q[row:row + 1], parts, state.positions[row:row + 1],
+                                        state))
+        return self.linear_proj(self._gate(torch.cat(outputs), gate))
 
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
         """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
@@ -109,9 +142,8 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         q, k, v, gate = self._project(x, state.positions)
         parts = [(k, v, state.positions)]
         if state.prefix_len > 0:
-            parts.insert(0, (self.read_page(state, KEY, x.device, k.dtype),
-                             self.read_page(state, VALUE, x.device, v.dtype),
-                             partials.prompt_key_positions(state.prefix_len, x.device)))
+            parts.insert(0, self._page_keys(state, x.device, k.dtype, partials.prompt_key_positions(
+                state.prefix_len, x.device)))
         return self._gate(self._attend(q, parts, state.positions, state), gate)
 
     def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
@@ -141,14 +173,25 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
         q, k, v, gate = self._project(x, state.positions)
 
         def attend(all_q, all_k, all_v):
-            parts = [(self.read_page(state, KEY, x.device, k.dtype),
-                      self.read_page(state, VALUE, x.device, v.dtype), state.cp.prefix_positions),
+            parts = [self._page_keys(state, x.device, k.dtype, state.cp.prefix_positions),
                      (all_k, all_v, context_parallel.branch_key_positions(state))]
             return self._attend(all_q, parts, state.cp.branch_positions, state, return_lse=True)
 
         return self._gate(context_parallel.attend_branch(state, (q, k, v), attend), gate)
 
     # ---- pieces -----------------------------------------------------------------------------
+
+    def _page_keys(self, state: AttentionPass, device, dtype, positions) -> partials.PageKeys:
+        """This layer's K/V pages as a dense attention part at key `positions` (with the exact
+        prompt gradient, streamed: each key window's cotangents go to the page buffers)."""
+        key_grads = self.key_grads(state, KEY)
+        value_grads = self.key_grads(state, VALUE)
+        sink = None if key_grads is None else (
+            lambda start, end, grad_k, grad_v: (key_grads(start, end, grad_k),
+                                                value_grads(start, end, grad_v)))
+        return partials.PageKeys(self.read_page(state, KEY, device, dtype, differentiable=False),
+                                 self.read_page(state, VALUE, device, dtype, differentiable=False),
+                                 positions, sink)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """[s, 1, hidden] -> q [s, heads, d], k, v [s, groups, d] (q, k normed and roped), gate

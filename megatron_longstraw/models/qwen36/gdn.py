@@ -62,13 +62,29 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         """From zero state (Megatron's zero-padded conv and zero initial state)."""
         return self._continue(x, state, *self._zero_state(x))
 
+    carried_kinds = (GDN_STATE, CONV_TAIL)   # the blockwise prompt backward carries these
+
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         return self._capture(x, state, self._exchange(x, state)), None
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
-        """The prompt under autograd from zero state (under CP: every row, this rank's heads,
-        through the differentiable rows <-> heads exchange); the state after it (recurrent state
-        and conv tail of this rank's heads, what capture stores) goes to `emit`."""
+        """One token block of the prompt under autograd (one process), continuing from the state
+        at its start (`state.carried`: what capture kept at that block boundary; None at the
+        first block: zeros); the state at its end (recurrent state and conv tail, what capture
+        carries to the next block and finally stores) goes to `emit`."""
+        carried = state.carried or {}
+        conv_tail, recurrent = carried.get(CONV_TAIL), carried.get(GDN_STATE)
+        if conv_tail is None:
+            conv_tail, recurrent = self._zero_state(x)
+        mixed, conv_tail, recurrent = self._mix(self.in_proj(x)[0], conv_tail, recurrent, True)
+        self.emit(state, GDN_STATE, recurrent[0])
+        self.emit(state, CONV_TAIL, conv_tail)
+        return self.out_proj(mixed)
+
+    def forward_prompt_backward_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """The prompt under autograd from zero state, every row of this rank's heads through the
+        differentiable rows <-> heads exchange (CP); the state after it (recurrent state and conv
+        tail of this rank's heads, what capture stores) goes to `emit`."""
         exchange = self._exchange(x, state)
         conv_tail, recurrent = self._zero_state(x)
         projected = self._to_heads(self.in_proj(x)[0], exchange)
@@ -83,6 +99,27 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
             return self.forward_full(x, state)
         tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
         return self._continue(x, state, tail, self.read_page(state, GDN_STATE, x.device)[None])
+
+    def forward_decode(self, x: torch.Tensor, state: AttentionPass):
+        """One new token per member (row i: member `state.decode.members[i]`), each continuing
+        its member's (conv tail, state): the prompt's at the first step, its own afterwards."""
+        projected = self.in_proj(x)[0]
+        outputs = []
+        for row in range(x.shape[0]):
+            conv_tail = state.decode.carried(row, self.layer_idx, CONV_TAIL)
+            recurrent = state.decode.carried(row, self.layer_idx, GDN_STATE)
+            if conv_tail is None:
+                if state.prefix_len > 0:
+                    conv_tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
+                    recurrent = self.read_page(state, GDN_STATE, x.device)[None]
+                else:
+                    conv_tail, recurrent = self._zero_state(x)
+            mixed, conv_tail, recurrent = self._mix(projected[row:row + 1], conv_tail, recurrent,
+                                                    True)
+            state.decode.carry(row, self.layer_idx, CONV_TAIL, conv_tail)
+            state.decode.carry(row, self.layer_idx, GDN_STATE, recurrent)
+            outputs.append(mixed)
+        return self.out_proj(torch.cat(outputs))
 
     def _continue(self, x: torch.Tensor, state: AttentionPass, conv_tail, recurrent):
         """The branch (or whole sequence) continuing from (conv_tail, recurrent)."""
@@ -101,6 +138,11 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         if exchange is None:
             outputs = []
             for start in blocks:
+                if state.boundaries is not None:   # the exact gradient restarts each block here
+                    state.boundaries.setdefault(self.layer_idx, []).append({
+                        CONV_TAIL: conv_tail.to(state.pages.storage_device, copy=True),
+                        GDN_STATE: None if recurrent is None else
+                        recurrent.to(state.pages.storage_device, copy=True)})
                 mixed, conv_tail, recurrent = self._mix(self.in_proj(x[start:start + block])[0],
                                                         conv_tail, recurrent, True)
                 outputs.append(self.out_proj(mixed)[0])
