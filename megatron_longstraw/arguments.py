@@ -63,6 +63,25 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "trainer's own pi_old; the mismatch is logged either way.")
     group.add_argument("--longstraw-tis-cap", type=float, default=None, metavar="C",
                        help="C of --longstraw-tis (>= 1; default 2.0).")
+    group.add_argument("--longstraw-rollout", choices=("offline", "online"), default=None,
+                       help="offline (default): train on the groups of --longstraw-data; online: "
+                            "--longstraw-data holds prompts, each step generates the group's "
+                            "responses from its own capture and rewards them with "
+                            "--longstraw-reward (README \"The online loop\").")
+    group.add_argument("--longstraw-max-new-tokens", type=int, default=None,
+                       help="Online: most tokens per generated response (default: "
+                            "--longstraw-max-response-len).")
+    group.add_argument("--longstraw-temperature", type=float, default=None,
+                       help="Online sampling temperature (default 1; 0: greedy).")
+    group.add_argument("--longstraw-top-p", type=float, default=None,
+                       help="Online nucleus sampling (default 1: off).")
+    group.add_argument("--longstraw-top-k", type=int, default=None,
+                       help="Online top-k sampling (default 0: off).")
+    group.add_argument("--longstraw-stop-ids", type=int, nargs="*", default=None,
+                       help="Online: token ids that end a response (kept in it).")
+    group.add_argument("--longstraw-control", choices=("none", "zeros"), default=None,
+                       help="Online control run: zeros replaces the captured prompt state by "
+                            "zeros (the policy sees nothing of the prompt but its last token).")
     group.add_argument("--longstraw-reward", type=str, default=None, metavar="MODULE:FUNCTION",
                        help="Reward function fn(prompt_ids, response_ids, response_text, meta) "
                             "-> float for records without 'rewards' (built-ins: "
@@ -239,6 +258,13 @@ _FLAG_TO_FIELD = {
     "longstraw_tis": "tis",
     "longstraw_tis_cap": "tis_cap",
     "longstraw_reward": "reward",
+    "longstraw_rollout": "rollout",
+    "longstraw_max_new_tokens": "max_new_tokens",
+    "longstraw_temperature": "temperature",
+    "longstraw_top_p": "top_p",
+    "longstraw_top_k": "top_k",
+    "longstraw_stop_ids": "stop_ids",
+    "longstraw_control": "control",
 }
 
 

@@ -64,6 +64,25 @@ class LongStrawConfig:
     """Reward function `module:function` or `longstraw:<built-in>` (rewards.py), called for the
     members of a record that carries no `rewards`; None: every record must carry them."""
 
+    rollout: str = "offline"
+    """"offline": the groups of --longstraw-data, responses and rewards given (or rewards from
+    `reward`); "online": --longstraw-data holds prompts, and every step generates `group_size`
+    responses per prompt from the step's own capture and rewards them with `reward`
+    (rollout.py)."""
+    max_new_tokens: int | None = None
+    """Online: the most tokens a generated response has (default: `max_response_len`)."""
+    temperature: float = 1.0
+    """Online sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Online nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Online top-k sampling (0: off)."""
+    stop_ids: tuple[int, ...] = ()
+    """Online: token ids that end a response (kept in it)."""
+    control: str = "none"
+    """Online: "zeros" replaces the captured prompt state by zeros (a control run that cannot
+    see the prompt; rollout.py)."""
+
     def __post_init__(self) -> None:
         for name in ("group_size", "max_response_len", "page_tokens", "token_block", "query_block",
                      "key_block", "seed"):
@@ -91,10 +110,38 @@ class LongStrawConfig:
                              f"got {self.prompt_grad!r}.")
         self.loss_config()  # validates the clip, KL and advantage settings
         check_tis(self.tis, self.tis_cap)
+        self._check_rollout()
         if self.reward is not None and (not isinstance(self.reward, str)
                                         or ":" not in self.reward):
             raise ValueError(f"longstraw reward (--longstraw-reward) must be 'module:function' "
                              f"or 'longstraw:<name>', got {self.reward!r}.")
+
+    def _check_rollout(self) -> None:
+        from megatron_longstraw.decode import SamplingParams
+        from megatron_longstraw.rollout import CONTROLS
+
+        if self.rollout not in ("offline", "online"):
+            raise ValueError(f"longstraw rollout (--longstraw-rollout) must be 'offline' or "
+                             f"'online', got {self.rollout!r}.")
+        self.stop_ids = tuple(int(i) for i in self.stop_ids)
+        new = self.max_new_tokens or self.max_response_len
+        if new > self.max_response_len:
+            raise ValueError(f"longstraw max_new_tokens (--longstraw-max-new-tokens) {new} is more "
+                             f"than max_response_len {self.max_response_len}: raise "
+                             "--longstraw-max-response-len or generate fewer tokens.")
+        SamplingParams(max_new_tokens=new, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k)   # its checks name the bad value
+        if self.control not in CONTROLS:
+            raise ValueError(f"longstraw control (--longstraw-control) must be one of "
+                             f"{list(CONTROLS)}, got {self.control!r}.")
+        if self.control != "none" and (self.rollout != "online" or self.prompt_grad != "detached"):
+            raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
+                             "prompt state in the online loop: it needs --longstraw-rollout online "
+                             "and the detached prompt gradient.")
+        if self.rollout == "online" and self.reward is None:
+            raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
+                             "reward function (--longstraw-reward module:function, YAML "
+                             "longstraw.reward).")
 
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,

@@ -172,8 +172,11 @@ def read_line(path: str | os.PathLike, offset: int) -> bytes:
 
 
 def parse_line(path, line_no: int, raw: bytes, tokenizer=None, vocab_size: int | None = None,
-               require_rewards: bool = True, load_prompt_file: bool = True) -> GroupRecord:
+               require_rewards: bool = True, load_prompt_file: bool = True,
+               prompt_only: bool = False) -> GroupRecord:
     """One JSONL line (bytes) as a `GroupRecord`, every field checked (DataError). With
+    `prompt_only` (the online loop's prompts: responses are generated) the line holds a prompt,
+    optionally "id" and "meta", and nothing of responses: the record's group has no members. With
     `load_prompt_file=False` a `prompt_file` is checked from its header and size only (exists,
     format, at least one id: a cheap check of a dataset of million-token prompts) and the
     record's prompt is an empty placeholder; its ids are checked when the line is parsed again
@@ -185,11 +188,11 @@ def parse_line(path, line_no: int, raw: bytes, tokenizer=None, vocab_size: int |
                         f"at column {exc.start + 1}: {exc.reason}); was the file cut off "
                         "or written in another encoding?") from None
     return _parse_line(Path(path), line_no, text, tokenizer, vocab_size, require_rewards,
-                       load_prompt_file)
+                       load_prompt_file, prompt_only)
 
 
 def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
-                load_prompt_file=True) -> GroupRecord:
+                load_prompt_file=True, prompt_only=False) -> GroupRecord:
     def fail(field, message):
         raise DataError(path, line_no, field, message)
 
@@ -216,6 +219,16 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
         fail("id", f"must be a string or an integer, got {type(group_id).__name__}.")
 
     prompt = _prompt_ids(path, obj, fail, tokenizer, vocab_size, load_prompt_file)
+    if prompt_only:
+        given = sorted(set(obj) - set(PROMPT_FIELDS) - {"id", "meta"})
+        if given:
+            fail(given[0], "is not part of a prompt line: the online loop generates the responses "
+                           "and rewards them (--longstraw-rollout online); give only a prompt, "
+                           "'id' and 'meta'.")
+        group = GRPOGroup(prompt_ids=prompt, response_ids=[],
+                          rewards=torch.zeros(0, dtype=torch.float64))
+        return GroupRecord(group=group, id=group_id, line=line_no, meta=obj.get("meta"),
+                           has_rewards=False)
     responses, response_field = _responses(obj, fail, tokenizer, vocab_size)
     num_members = len(responses)
     rewards = _rewards(obj, fail, num_members, response_field, require_rewards)

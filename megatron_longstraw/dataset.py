@@ -51,17 +51,18 @@ class GroupDataset:
 
     def __init__(self, path: str | os.PathLike, tokenizer=None, vocab_size: int | None = None,
                  check: Callable[[GroupRecord], None] | None = None,
-                 require_rewards: bool = True):
+                 require_rewards: bool = True, prompt_only: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(self.path, None, None, "no such file; pass the path of a JSONL file "
                                                    "with one GRPO group per line.")
         self.tokenizer = _as_tokenizer(tokenizer)
         self.vocab_size, self.require_rewards, self.check = vocab_size, require_rewards, check
+        self.prompt_only = prompt_only   # prompt lines (the online loop; data.parse_line)
         offsets, line_numbers = [], []
         for line_no, offset, raw in nonblank_lines(self.path):
             record = parse_line(self.path, line_no, raw, self.tokenizer, vocab_size,
-                                require_rewards, load_prompt_file=False)
+                                require_rewards, load_prompt_file=False, prompt_only=prompt_only)
             if check is not None:
                 check(record)
             offsets.append(offset)
@@ -79,7 +80,7 @@ class GroupDataset:
         line_no = int(self.line_numbers[index])
         raw = read_line(self.path, int(self.offsets[index]))
         record = parse_line(self.path, line_no, raw, self.tokenizer, self.vocab_size,
-                            self.require_rewards)
+                            self.require_rewards, prompt_only=self.prompt_only)
         if self.check is not None:
             self.check(record)
         record.group.source = f"{self.path} line {line_no}"   # named by a non-finite step's error

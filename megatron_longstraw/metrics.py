@@ -97,6 +97,9 @@ class StepLogger:
                      f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")
             if "tis_frac" in result.stats:
                 line += f" tis_frac {result.stats['tis_frac']:.3f}"
+        if "rollout" in result.phase_seconds:   # the online loop (rollout.py)
+            line += (f" | rollout {result.phase_seconds['rollout']:.1f}s len "
+                     f"{result.stats.get('response_len_mean', float('nan')):.1f}")
         if "optimizer/lr" in extra:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:

@@ -106,8 +106,11 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
                                forward_only: bool = False, loss_scale: float = 1.0,
-                               progress=None) -> StepResult:
+                               progress=None, captured=None) -> StepResult:
     """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
+    `captured`: the group's prompt already captured under the current weights (the online loop
+    generated from it: rollout.py), used instead of a new capture (exact mode: captured with
+    `keep_for_backward`).
 
     `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
     prompt state differs); required when cfg.kl_coef > 0. `loss_scale` is 1/N when the optimizer
@@ -123,12 +126,29 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
             raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
                              "--longstraw-kl-coef 0).")
         local_error = None
+        if captured is not None:
+            _check_captured(captured, group, cfg, forward_only)
     except ValueError as exc:
         local_error = str(exc)
     check_agreement(local_error, _fingerprint(group), layout)
     select.use(cfg.kernels)
     with fail_together():
-        return _step(model, group, cfg, ref_model, forward_only, loss_scale, progress)
+        return _step(model, group, cfg, ref_model, forward_only, loss_scale, progress, captured)
+
+
+def _check_captured(captured, group: GRPOGroup, cfg: LongStrawConfig, forward_only: bool) -> None:
+    """A given capture must be of this group's prompt (length and last token) and, for the exact
+    gradient, keep what the prompt backward needs."""
+    if (captured.prefix_len != group.prompt_ids.numel() - 1
+            or captured.last_token != int(group.prompt_ids[-1])):
+        raise ValueError(f"The given capture holds a prompt of {captured.prefix_len + 1} tokens "
+                         f"ending in {captured.last_token}, not this group's ("
+                         f"{group.prompt_ids.numel()} tokens ending in "
+                         f"{int(group.prompt_ids[-1])}): capture the group's own prompt.")
+    if (cfg.prompt_grad == "exact" and not forward_only and captured.prefix_len
+            and captured.backward is None):
+        raise ValueError("The exact prompt gradient needs a capture made with "
+                         "keep_for_backward=True.")
 
 
 def _fingerprint(group: GRPOGroup) -> dict:
@@ -152,13 +172,15 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
     }
 
 
-def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress) -> StepResult:
+def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
+          captured=None) -> StepResult:
     timings: dict[str, float] = {}
 
     exact = cfg.prompt_grad == "exact" and not forward_only
     with memory.phase("capture"):
-        captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress,
-                                  keep_for_backward=exact)
+        if captured is None:
+            captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress,
+                                      keep_for_backward=exact)
         ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
     timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
 
@@ -296,23 +318,26 @@ def merge_results(results: list[StepResult]) -> StepResult:
 
 def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongStrawConfig,
                ref_model=None, max_grad_norm: float | None = None, loss_scale: float = 1.0,
-               progress=None) -> StepResult:
+               progress=None, captures=None) -> StepResult:
     """One GRPO update: zero grads, forward_backward_longstraw for each of this rank's `groups`
     (micro-batches: gradients accumulate, each group's loss times `loss_scale`), the corrected
     finalisation (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer
     step; or no step when a loss or the gradient is not finite on some rank (`result.skipped`:
     the caller stops or counts it, --check-for-nan-in-loss-and-grad). The result merges the
     groups (`merge_results`); `nonfinite_groups` names the local ones whose loss was not
-    finite."""
+    finite. `captures`: one capture per group, made under the current weights (the online
+    loop's: `forward_backward_longstraw(captured=)`), or None."""
     from megatron_longstraw.finalize import clip_grads, finalize_longstraw_grads, grad_norm
 
     groups = [groups] if isinstance(groups, GRPOGroup) else list(groups)
     if not groups:
         raise ValueError("train_step needs at least one group.")
     optimizer.zero_grad(set_to_none=True)
+    captures = [None] * len(groups) if captures is None else list(captures)
     results = [forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
-                                          loss_scale=loss_scale, progress=progress)
-               for group in groups]
+                                          loss_scale=loss_scale, progress=progress,
+                                          captured=captured)
+               for group, captured in zip(groups, captures, strict=True)]
     result = merge_results(results)
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm

@@ -267,6 +267,17 @@ def check_data_flags(args, given: set[str]) -> None:
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise FlagError(f"--global-batch-size {args.global_batch_size}: give the number of GRPO "
                         "groups per optimizer step (>= 1).")
+    if ls_rollout(args) == "online":
+        if not args.longstraw_data:
+            raise FlagError("--longstraw-rollout online generates responses for the prompts of "
+                            "--longstraw-data (a JSONL of prompt lines: a prompt, 'id' and "
+                            "'meta'); pass it.")
+        if args.context_parallel_size != 1:
+            raise FlagError(f"--longstraw-rollout online generates on one process per replica: "
+                            f"--context-parallel-size {args.context_parallel_size} shards the "
+                            "prompt's pages, and decoding over sharded pages is not built yet; "
+                            "run online with --context-parallel-size 1 (data parallelism is "
+                            "fine), or generate elsewhere and train offline.")
     if args.longstraw_eval_data is None:
         unused = [flag for dest, flag in (("eval_interval", "--eval-interval"),
                                           ("eval_iters", "--eval-iters")) if dest in given]
@@ -276,6 +287,17 @@ def check_data_flags(args, given: set[str]) -> None:
     elif args.eval_iters < 1 or (args.eval_interval is not None and args.eval_interval < 1):
         raise FlagError(f"--eval-iters {args.eval_iters} / --eval-interval {args.eval_interval}: "
                         "both count (groups scored, steps between evaluations) and must be >= 1.")
+
+
+def ls_rollout(args) -> str:
+    """--longstraw-rollout, or the YAML's `rollout` (checks that run before the config exists)."""
+    if getattr(args, "longstraw_rollout", None):
+        return args.longstraw_rollout
+    if getattr(args, "longstraw_config", None):
+        from megatron_longstraw.arguments import longstraw_config_from_yaml
+
+        return longstraw_config_from_yaml(args.longstraw_config).rollout
+    return "offline"
 
 
 def global_batch_size(args, dp_size: int) -> int:
@@ -326,6 +348,9 @@ def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: boo
     from megatron_longstraw.dataset import GroupDataset
 
     tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
+    if ls.rollout == "online" and path == args.longstraw_data:   # prompt lines (rollout.py)
+        return GroupDataset(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
+                            require_rewards=False, prompt_only=True)
     return GroupDataset(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
                         check=_group_check(path, ls), require_rewards=require_rewards)
 
@@ -364,6 +389,20 @@ def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int,
     return [synthetic_group(model_cfg.vocab_size, prompt_len, ls.group_size,
                             min(args.longstraw_synthetic_response_len, ls.max_response_len),
                             seed=ls.seed + g) for g in indices]
+
+
+def online_groups(model, ls, sampler, data, consumed_groups: int, reward_fn) -> list:
+    """The online loop: this replica's groups of the step, each generated from its own capture
+    of the prompt and rewarded (rollout.py); sample g generates with seed + g, so a resumed run
+    generates what the uninterrupted one did."""
+    from megatron_longstraw import memory
+    from megatron_longstraw.rollout import rollout_group
+
+    with memory.phase("rollout"):
+        return [rollout_group(model, data.record(index), ls, reward_fn, seed=ls.seed + g,
+                              tokenizer=data.tokenizer, control=ls.control)
+                for index, g in zip(sampler.step_indices(consumed_groups),
+                                    sampler.global_indices(consumed_groups))]
 
 
 def _group_name(group, step: int, dp_rank: int) -> str:
@@ -511,18 +550,32 @@ def main(argv: list[str] | None = None) -> dict:
                                meta_extra=run.meta)
 
     steps_done = first_step
+    history = []   # the step scalars, into the receipt (the run's curves)
     # --exit-signal-handler, --exit-duration-in-mins, --exit-interval (exit_conditions.py)
     with ExitConditions(args, start) as exits:
         for step in range(first_step, total_iters):
-            groups = step_groups(args, model_cfg, ls, sampler, data, consumed, reward_fn)
+            online = ls.rollout == "online"
+            groups = (None if online else
+                      step_groups(args, model_cfg, ls, sampler, data, consumed, reward_fn))
             bar = ProgressBar(f"step {step} capture") if rank == 0 else None
             lr = lr_schedule.current_lr(optimizer)
             with SavedTensorMeter(model) as meter, LiveBytesMeter() as live:
+                captures = None
+                if online:
+                    rollouts = online_groups(model, ls, sampler, data, consumed, reward_fn)
+                    groups = [r.group for r in rollouts]
+                    captures = [r.captured for r in rollouts]
                 # 1/B: the update follows the mean over the step's B groups of each group's GRPO
                 # loss; each replica accumulates its B / DP groups, finalize.py sums over DP.
                 result = train_step(model, optimizer, groups, ls, ref_model=run.ref_model,
                                     max_grad_norm=args.clip_grad, loss_scale=1.0 / batch,
-                                    progress=bar)
+                                    progress=bar, captures=captures)
+                del captures
+            if online:
+                result.phase_seconds["rollout"] = sum(r.seconds for r in rollouts)
+                lengths = [r.numel() for g in groups for r in g.response_ids]
+                result.stats["response_len_mean"] = sum(lengths) / len(lengths)
+                del rollouts
             consumed += batch
             if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
                 nonfinite_step(args, step, result, groups, dp_rank)
@@ -532,8 +585,10 @@ def main(argv: list[str] | None = None) -> dict:
             report = replica_mean(result, dp_size)
             memory = step_memory(meter.peak_bytes, result.page_bytes,
                                  {**live.phase_peaks, "step": live.peak_bytes})
-            logger.log(step, report, {**memory, "optimizer/lr": lr, "skipped_steps": skipped,
-                                      "consumed_groups": consumed})
+            extras = {**memory, "optimizer/lr": lr, "skipped_steps": skipped,
+                      "consumed_groups": consumed}
+            logger.log(step, report, extras)
+            history.append({"step": step, **logger.scalars(report, extras)})
             steps_done = step + 1
             if eval_count and (steps_done == total_iters or (
                     args.eval_interval and steps_done % args.eval_interval == 0)):
@@ -568,6 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
                "data_parallel_size": dp_size, "global_batch_size": batch},
         dtype=dtype, steps=steps_done, start=start)
     receipt["skipped_steps"] = skipped
+    receipt["history"] = history
     if rank != 0:
         return receipt
     path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
