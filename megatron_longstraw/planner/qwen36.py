@@ -296,7 +296,8 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     window = Item("streamed page window (one attention layer's K/V + one GDN layer's state)",
                   n * kv_row + fixed)
     scoring = [window,
-               Item("K/V cat [P/CP + R, groups, d] x2 (scoring copy)", (n + r_pad) * 2 * G * d * b),
+               Item("branch K/V [R, groups, d] x2 (pages attended as their own part: no cat)",
+                    r_pad * 2 * G * d * b),
                Item("attention block scratch [query_block, heads, key_block] fp32",
                     scores(min(spec.query_block, r_pad))),
                Item("LSE merge: [weight * out; weight] [R, heads, d + 1] fp32 + reduce-scatter",
@@ -311,8 +312,10 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
              saved["gdn_working_set_device"], group="graph"),
         Item("replay LM head + loss (before the layers' backward)",
              saved["head_device"] + saved["loss"], measured=True, group="graph"),
-        Item("replay attention backward: grad K/V [P/CP + R, groups, d] fp32 x2 + block scratch",
-             2 * (n + r_pad) * G * d * acc + scores(min(spec.query_block, r_pad))),
+        # The pages are a constant part (models/partials.py; exact mode: one key window's
+        # cotangents at a time): only the branch's own K/V get a gradient buffer.
+        Item("replay attention backward: grad K/V [R, groups, d] fp32 x2 + block scratch",
+             2 * r_pad * G * d * acc + scores(min(spec.query_block, r_pad))),
         Item("replay backward transient (gradient of the largest saved tensor)",
              saved["largest_saved_tensor"]),
     ]
