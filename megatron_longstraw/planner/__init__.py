@@ -244,8 +244,7 @@ def _with_prompt_backward(spec: PlanSpec, fp: Footprint, prompt_len: int, rows: 
                          for k in fixed.values())
     branch_rows = max(spec.response_len, 1)
     block = min(spec.token_block, max(rows, 1)) if spec.cp == 1 else rows
-    window = sum(k.row_bytes * rows for k in fp.pages if k.sequence)
-    window = window / max(max((k.num_layers for k in fp.pages if k.sequence), default=1), 1)
+    window = sum(k.row_bytes * rows for k in fp.pages if k.sequence)   # row_bytes: one layer's
     phases = dict(fp.phases)
     phases["prompt backward"] = [
         Item("one layer's pages (the page window)", window),
