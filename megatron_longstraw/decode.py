@@ -18,9 +18,14 @@ once). The log-probs returned are the model's (temperature 1, no truncation: wha
 computes for the same tokens, `tests/test_decode.py`); the sampling distribution's are returned
 beside them (what an engine reports when it samples with a temperature).
 
-One process (context parallelism 1): under CP the pages are sharded, and a decode step would need
-replay's exchanges (queries gathered, partial outputs merged by log-sum-exp); `generate` refuses
-a CP model with that message.
+Under context parallelism every rank of the CP group runs the same rows (the G members' tokens)
+and keeps the same branch caches; its pages are its prompt shard. Attention attends each query
+over this rank's shard (rank 0 also over the member's cache) and merges the ranks' partial
+outputs by log-sum-exp (`context_parallel.merge_replicated`, rank order on every rank: the same
+bits everywhere); DSA merges every rank's top-k candidates (`parallel.merge_topk_candidates`);
+GDN runs this rank's heads from its pages' state and gathers the heads' outputs; MoE dispatches
+each rank's copy of the rows (EP). So every rank samples the same tokens
+(`tests/test_decode.py`: CP2 and CP2/EP2 equal one process).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch.nn.functional as F
 from megatron_longstraw.capture import CapturedPrompt, capture_prompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logits, run_group
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,6 @@ class DecodeCache:
 def generate(model, captured: CapturedPrompt, num_members: int, params: SamplingParams,
              cfg: LongStrawConfig) -> list[Generation]:
     """Sample `num_members` responses continuing the captured prompt (module docstring)."""
-    if captured.layout.size > 1:
-        raise ValueError("generate runs on one process (context parallelism 1): under CP the "
-                         "prompt's pages are sharded and decoding would need replay's exchanges; "
-                         "generate with a CP-1 model, or supply the responses (--longstraw-data).")
     if num_members < 1:
         raise ValueError(f"num_members={num_members}: generate at least one response.")
     device = next(model.parameters()).device
@@ -130,13 +131,15 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     samplers = [torch.Generator(device="cpu").manual_seed(params.seed * 1_000_003 + m)
                 for m in range(num_members)]
     stop_ids = set(params.stop_ids)
+    cp = CPPass(layout=captured.layout, global_len=captured.prefix_len,
+                prefix_positions=captured.positions.to(device))
     with torch.no_grad():
         for step in range(params.max_new_tokens):
             cache.members = active
             position = captured.prefix_len + step
             state = AttentionPass(
                 mode="decode", positions=torch.full((len(active),), position, device=device),
-                pages=captured.pages, prefix_len=captured.prefix_len,
+                pages=captured.pages, prefix_len=captured.prefix_len, cp=cp,
                 query_block=cfg.query_block, key_block=cfg.key_block, token_block=cfg.token_block,
                 decode=cache, member_selections=[{} for _ in active])
             hidden = embed(model, torch.tensor([last[m] for m in active], device=device))

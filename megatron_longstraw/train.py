@@ -272,12 +272,6 @@ def check_data_flags(args, given: set[str]) -> None:
             raise FlagError("--longstraw-rollout online generates responses for the prompts of "
                             "--longstraw-data (a JSONL of prompt lines: a prompt, 'id' and "
                             "'meta'); pass it.")
-        if args.context_parallel_size != 1:
-            raise FlagError(f"--longstraw-rollout online generates on one process per replica: "
-                            f"--context-parallel-size {args.context_parallel_size} shards the "
-                            "prompt's pages, and decoding over sharded pages is not built yet; "
-                            "run online with --context-parallel-size 1 (data parallelism is "
-                            "fine), or generate elsewhere and train offline.")
     if args.longstraw_eval_data is None:
         unused = [flag for dest, flag in (("eval_interval", "--eval-interval"),
                                           ("eval_iters", "--eval-iters")) if dest in given]

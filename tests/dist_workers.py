@@ -231,3 +231,33 @@ def exact_gradient_worker(rank, cases, lens):
         outs.append({global_name(n, experts): p.grad.clone()
                      for n, p in model.named_parameters() if p.grad is not None})
     return outs
+
+
+def decode_worker(rank, cases):
+    """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
+    prompt length)): every case's (token ids, log-probs) per member, for the test to compare
+    with one process."""
+    from megatron_longstraw import parallel
+    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.decode import SamplingParams, generate
+
+    outs = []
+    for family, cp, ep, state_path, prompt_len in cases:
+        parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
+                            init_method=os.environ["LONGSTRAW_TEST_INIT"])
+        if family == "deepseekv3":
+            from test_deepseekv3 import build_tiny_deepseekv3 as build
+        else:
+            build = build_tiny_glm if family == "glm52" else build_tiny_qwen
+        cfg, model = build(torch.float64)
+        experts = getattr(cfg, "n_routed_experts", 0) or 0
+        parallel.load_full_state_dict(model, torch.load(state_path), experts)
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
+                               generator=torch.Generator().manual_seed(4))
+        ls = LongStrawConfig(group_size=3, query_block=7, key_block=23, token_block=19,
+                             max_response_len=64)
+        captured = capture_prompt(model, prompt, ls)
+        gens = generate(model, captured, 3, SamplingParams(max_new_tokens=6, seed=7), ls)
+        outs.append([(g.token_ids, g.logprobs) for g in gens])
+    return outs

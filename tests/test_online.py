@@ -94,8 +94,7 @@ def test_the_control_zeroes_the_captured_state(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--longstraw-control", "zeros", "--longstraw-prompt-grad", "exact"], "detached"),
     (["--longstraw-max-new-tokens", "999"], "max_response_len"),
-    (["--longstraw-temperature", "-1"], "temperature"),
-    (["--context-parallel-size", "2"], "context-parallel-size 1")])
+    (["--longstraw-temperature", "-1"], "temperature")])
 def test_bad_online_settings_are_refused_at_start(tmp_path, extra, message):
     from megatron_longstraw.errors import UserError
 
@@ -132,3 +131,47 @@ def test_a_failing_reward_stops_before_any_update(tmp_path, monkeypatch):
     with pytest.raises(RewardError, match=r"prompts.jsonl line \d \(id .marker-\d.\), member 0"):
         train.main(flags)
     assert not calls
+
+
+@pytest.mark.usefixtures("single_process")
+def test_online_under_cp2_ep2_equals_one_process(tmp_path, monkeypatch):
+    """GLM-5.2 (DSA, MoE) on two gloo ranks, CP2/EP2 through torchrun, from the same initial
+    weights as one process: the same samples (decode under CP), so the same rewards (a reward
+    that varies with the sampled token) and loss, and decode equals scoring."""
+    import subprocess
+
+    from megatron_longstraw import model_format, precision
+    from megatron_longstraw.families import get_family
+
+    glm = str(ROOT / "examples" / "glm52" / "tiny.yaml")
+    (tmp_path / "token_reward.py").write_text(
+        "def reward(prompt, response, text, meta):\n    return float(int(response[0]) % 5) / 4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def flags(name):
+        out = _flags(tmp_path, name, "--train-iters", "2", "--load", str(tmp_path / "init"))
+        out[out.index("--longstraw-family") + 1] = "glm52"
+        out[out.index("--longstraw-config") + 1] = glm
+        out[out.index("--longstraw-reward") + 1] = "token_reward:reward"
+        return out
+
+    args, given = train.parse(flags("one"))
+    family, model_cfg, _, dtype = train.resolve(args, given)
+    precision.use_dtype(dtype)
+    model_format.save_model(tmp_path / "init", get_family(family).build(model_cfg, dtype, 1),
+                            family="glm52")
+    one = train.main(flags("one"))
+    run = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "pretrain_gpt.py"), *flags("cp2"), "--context-parallel-size", "2",
+         "--expert-model-parallel-size", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
+             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    cp2 = json.loads((tmp_path / "cp2" / "receipt.json").read_text())
+    assert any(h["grpo/loss"] != 0 for h in one["history"])   # rewards differ within a group
+    for a, b in zip(one["history"], cp2["history"], strict=True):
+        assert a["grpo/reward_mean"] == b["grpo/reward_mean"]
+        assert a["grpo/loss"] == pytest.approx(b["grpo/loss"], rel=1e-9, abs=1e-12)
+        assert b["grpo/mismatch_abs_max"] < 1e-9

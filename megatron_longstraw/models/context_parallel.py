@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_longstraw import parallel
 from megatron_longstraw.kernels.refs import merge_partial_attention
@@ -94,6 +95,19 @@ def attend_branch(state: AttentionPass, rows: Sequence[torch.Tensor],
     gathered = [parallel.gather_rows(t, state.cp.layout) for t in rows]
     out, lse = attend(*gathered)
     return parallel.merge_partials_by_lse(out, lse, state.cp.layout)
+
+
+def merge_replicated(out: torch.Tensor, lse: torch.Tensor, state: AttentionPass) -> torch.Tensor:
+    """Decode under CP: every rank holds the same query rows and its partial (out [s, h, d], lse
+    [s, h]) over its own keys; all of them, merged by log-sum-exp in rank order (the same on
+    every rank, so every rank gets the same output bit for bit). -> [s, h, d]"""
+    layout = state.cp.layout
+    outs = [torch.empty_like(out) for _ in range(layout.size)]
+    lses = [torch.empty_like(lse) for _ in range(layout.size)]
+    dist.all_gather(outs, out.contiguous(), group=layout.group)
+    dist.all_gather(lses, lse.contiguous(), group=layout.group)
+    merged, _ = merge_partial_attention(outs, lses)
+    return merged.to(out.dtype)
 
 
 def local_key_index(selection: torch.Tensor, prefix_positions: torch.Tensor, prefix_len: int,

@@ -117,6 +117,23 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
                                         state))
         return self._project_out(torch.cat(outputs))
 
+    def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """`forward_decode` with the prompt's latent rows sharded over CP (every rank runs the
+        same rows; the members' caches are the same on every rank): each rank attends over its
+        shard (rank 0 also over the member's cache), and the partial outputs merge by
+        log-sum-exp (after W_UV: linear, so the merge commutes with it)."""
+        latents = self._latent_rows(x, state.positions)
+        outputs = []
+        for row in range(x.shape[0]):
+            own, positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
+            parts = [self._page_keys(state, x.device, latents.dtype, state.cp.prefix_positions)]
+            if context_parallel.branch_keys_counted_here(state):
+                parts.append((own, positions))
+            out, lse = self._attend(x[row:row + 1], state.positions[row:row + 1], parts, state,
+                                    return_lse=True)
+            outputs.append(context_parallel.merge_replicated(out, lse, state))
+        return self._project_out(torch.cat(outputs))
+
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
         """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
         over the latent rows; a block's queries attend over the rows written so far.

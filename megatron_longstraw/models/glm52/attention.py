@@ -158,6 +158,49 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             outputs.append(self._attend(x[row:row + 1], member, parts, key_index, key_positions))
         return self._project_out(torch.cat(outputs))
 
+    def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """`forward_decode` with the prompt's pages sharded over CP (every rank runs the same
+        rows; the members' caches are the same on every rank): the top-k merges every rank's
+        candidates (its prompt shard, plus the member's generated keys on rank 0), each rank
+        attends over its keys of the selection, and the partial outputs merge by log-sum-exp."""
+        cfg = self.config
+        core: DSAIndexHolder = self.core_attention
+        cp = state.cp
+        here = context_parallel.branch_keys_counted_here(state)
+        latents, index_keys = self._token_rows(x, state)
+        outputs = []
+        for row in range(x.shape[0]):
+            member = member_pass(state, row)
+            position = member.positions
+            own, own_positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
+            q_compressed, query = self._queries(x[row:row + 1], position)
+            if core.indexer is None:
+                selection = member.selections[core.topk_source]
+            else:
+                own_index, _ = self.decode_rows(state, row, INDEX_KEY, index_keys[row:row + 1])
+                with torch.no_grad():
+                    q_index, weights = self._index_queries(x[row:row + 1], q_compressed, position)
+                    prefix = self.read_page(state, INDEX_KEY, x.device, own_index.dtype,
+                                            differentiable=False)
+                    scores, found = self._shard_topk(q_index, weights, prefix,
+                                                     cp.prefix_positions, position, state)
+                    own_s, own_p = self._shard_topk(q_index, weights, own_index, own_positions,
+                                                    position, state)
+                    if not here:
+                        own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
+                    k = min(cfg.dsa_indexer_topk, state.prefix_len + own.shape[0])
+                    selection = parallel.merge_topk_candidates(
+                        torch.cat([scores, own_s], 1), torch.cat([found, own_p], 1), k, cp.layout)
+                member.selections[core.layer_idx] = selection
+            local = context_parallel.local_key_index(selection, cp.prefix_positions,
+                                                     state.prefix_len, here)
+            parts = [self.page_rows(state, LATENT, x.device, own.dtype), own]
+            out, lse = partials.sparse_mla(query, parts, local, self.softmax_scale,
+                                           cfg.kv_lora_rank)
+            merged = context_parallel.merge_replicated(out, lse, state)
+            outputs.append(self._up_project_values(merged))
+        return self._project_out(torch.cat(outputs))
+
     def _attend(self, x: torch.Tensor, state: AttentionPass, key_parts, key_index,
                 key_positions) -> torch.Tensor:
         """The current tokens' queries, per query block, over keys all held here: latent rows in

@@ -115,6 +115,23 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
                                         state))
         return self.linear_proj(self._gate(torch.cat(outputs), gate))
 
+    def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """`forward_decode` with the prompt's K/V sharded over CP (every rank runs the same rows;
+        the members' caches are the same on every rank): each rank attends over its shard (rank
+        0 also over the member's cache), and the partial outputs merge by log-sum-exp."""
+        q, k, v, gate = self._project(x, state.positions)
+        outputs = []
+        for row in range(x.shape[0]):
+            keys, positions = self.decode_rows(state, row, KEY, k[row:row + 1])
+            values, _ = self.decode_rows(state, row, VALUE, v[row:row + 1])
+            parts = [self._page_keys(state, x.device, k.dtype, state.cp.prefix_positions)]
+            if context_parallel.branch_keys_counted_here(state):
+                parts.append((keys, values, positions))
+            out, lse = self._attend(q[row:row + 1], parts, state.positions[row:row + 1], state,
+                                    return_lse=True)
+            outputs.append(context_parallel.merge_replicated(out, lse, state))
+        return self.linear_proj(self._gate(torch.cat(outputs), gate))
+
     def _causal_in_order(self, x: torch.Tensor, state: AttentionPass, write_pages: bool):
         """No autograd (capture, or a full forward under no_grad): `StateAwareMixer.causal_in_order`
         over the K/V rows; a block's queries attend over the K/V written so far.

@@ -102,8 +102,15 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
         """One new token per member (row i: member `state.decode.members[i]`), each continuing
-        its member's (conv tail, state): the prompt's at the first step, its own afterwards."""
+        its member's (conv tail, state): the prompt's at the first step, its own afterwards.
+        Under CP every rank runs the same rows for its heads (the pages hold its heads' state)
+        and the heads' outputs are gathered before `out_proj`."""
         projected = self.in_proj(x)[0]
+        if state.cp.size > 1:   # the same rows on every rank: keep this rank's heads' columns
+            head_perm = _build_head_perm_for_split_sections(self.in_proj_split_sections,
+                                                            self.cp_size, projected.device)
+            columns = projected[:, 0].index_select(-1, head_perm)
+            projected = columns.chunk(state.cp.size, dim=-1)[state.cp.rank][:, None]
         outputs = []
         for row in range(x.shape[0]):
             conv_tail = state.decode.carried(row, self.layer_idx, CONV_TAIL)
@@ -119,7 +126,12 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
             state.decode.carry(row, self.layer_idx, CONV_TAIL, conv_tail)
             state.decode.carry(row, self.layer_idx, GDN_STATE, recurrent)
             outputs.append(mixed)
-        return self.out_proj(torch.cat(outputs))
+        mixed = torch.cat(outputs)
+        if state.cp.size > 1:   # every head's output, rank-major as `_to_rows` orders them
+            parts = [torch.empty_like(mixed) for _ in range(state.cp.size)]
+            torch.distributed.all_gather(parts, mixed.contiguous(), group=state.cp.group)
+            mixed = torch.cat(parts, dim=-1)
+        return self.out_proj(mixed)
 
     def _continue(self, x: torch.Tensor, state: AttentionPass, conv_tail, recurrent):
         """The branch (or whole sequence) continuing from (conv_tail, recurrent)."""
