@@ -103,7 +103,7 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
                 carried = {kind: None if t is None else t.to(device).requires_grad_()
                            for kind, t in boundaries[index].items()}
             state = _block_pass(captured, cfg, "prompt_backward", start, end, device, carried)
-            x = inputs[start:end].to(device).requires_grad_()
+            x = inputs[start:end].to(device, copy=True).requires_grad_()
             with torch.enable_grad(), attention_pass(state):
                 out = run_group(group, x)
             outputs, cotangents = [out], [grad[start:end].to(device, out.dtype)]
@@ -119,7 +119,7 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
             layer = next(layer for layer in group if is_mixer(layer))
             for start, end in blocks:
                 state = _block_pass(captured, cfg, "prompt_rows", start, end, device)
-                x = inputs[start:end].to(device).requires_grad_()
+                x = inputs[start:end].to(device, copy=True).requires_grad_()
                 with torch.enable_grad(), attention_pass(state):
                     run_layer(layer, x)
                 outputs, cotangents = [], []
