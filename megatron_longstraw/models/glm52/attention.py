@@ -109,7 +109,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         selections (the top-k is discrete: no gradient through it); its latent rows go to `emit`
         (index keys get no cotangent: they only select). Under CP the whole prompt's latent rows
         are gathered under autograd: each row's cotangent returns to its owner."""
-        latents, _ = self._token_rows(x, state)
+        latents, _ = self._token_rows(x, state, index_keys=False)
         self.emit(state, LATENT, latents)
         keys, positions = latents, state.positions
         if state.cp.size > 1:
@@ -120,7 +120,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows: two parts of keys
         (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
-        latents, index_keys = self._token_rows(x, state)
+        latents, index_keys = self._token_rows(x, state, index_keys=not state.reuse_selections)
         parts, positions = [latents], state.positions
         if state.prefix_len > 0:
             parts.insert(0, self.page_rows(state, LATENT, x.device, latents.dtype))
@@ -229,7 +229,8 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         outputs merge by log-sum-exp to the row owners. -> [c, h, v]"""
         core: DSAIndexHolder = self.core_attention
         cp = state.cp
-        own_latents, own_index_keys = self._token_rows(x, state)
+        own_latents, own_index_keys = self._token_rows(x, state,
+                                                       index_keys=not state.reuse_selections)
         q_compressed, query = self._queries(x, state.positions)
         branch_positions = cp.branch_positions                     # [R_pad], all ranks
 
@@ -312,18 +313,18 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         x_pe = self._rope(x_pe, positions, interleaved=self.config.dsa_indexer_rope_interleaved)
         return torch.cat([x_pe, x_pass], dim=-1)
 
-    def _token_rows(self, x: torch.Tensor, state: AttentionPass):
-        """Token-wise: latent rows and (full indexer layers) index keys of the current tokens,
-        chunk by chunk (O(s) memory)."""
+    def _token_rows(self, x: torch.Tensor, state: AttentionPass, index_keys: bool = True):
+        """Token-wise: latent rows and (full indexer layers, unless `index_keys` is False: a pass
+        that computes no top-k) index keys of the current tokens, chunk by chunk (O(s) memory)."""
         core: DSAIndexHolder = self.core_attention
-        latents, index_keys = [], []
+        latents, keys = [], []
         for start in range(0, x.shape[0], state.token_block):
             end = min(start + state.token_block, x.shape[0])
             latents.append(self._latent_rows(x[start:end], state.positions[start:end]))
-            if core.indexer is not None:
+            if core.indexer is not None and index_keys:
                 with torch.no_grad():  # keys only feed the selection (no gradient path)
-                    index_keys.append(self._index_keys(x[start:end], state.positions[start:end]))
-        return torch.cat(latents), (torch.cat(index_keys) if index_keys else None)
+                    keys.append(self._index_keys(x[start:end], state.positions[start:end]))
+        return torch.cat(latents), (torch.cat(keys) if keys else None)
 
     def _index_queries(self, x, q_compressed, positions):
         """Indexer queries [s, h_i, d_i] (RoPE'd) and head weights [s, h_i] of the current rows."""
