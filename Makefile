@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 test bench gradient-bias refresh-pins clean
+.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 demo-rl test bench gradient-bias refresh-pins clean
 
 # Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
 # what the last green run had. `make refresh-pins` moves the pins forward.
@@ -58,6 +58,13 @@ demo-qwen36: $(VENV)/.installed
 		--longstraw-synthetic-prompt-len $(PROMPT_LEN) --longstraw-run-name demo-qwen36
 	$(PY) tools/compare_receipts.py runs/demo-qwen36-half runs/demo-qwen36 \
 		--expect-constant gdn_state conv_tail
+
+# A run that learns, with a control (tools/demo_rl.py, README "A run that learns"): online GRPO on
+# the marker task at P = 4096, G = 8, tiny Qwen3.6; 3 seeds, each a run and its control (prompt
+# state zeroed), two processes at a time. Receipt and PNG in runs/demo-rl/; exit 1 unless every
+# run learns and no control does.
+demo-rl: $(VENV)/.installed
+	$(PY) tools/demo_rl.py --out runs/demo-rl
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings tests

@@ -1,0 +1,71 @@
+"""tools/demo_rl.py (`make demo-rl`): the start / end figures of the receipt, the learning
+criterion on synthetic curves, and a two-step smoke run of the whole tool at a tiny size."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import demo_rl  # noqa: E402
+
+
+def test_start_and_end_are_the_means_of_the_first_and_last_tenth():
+    curve = [0.0] * 5 + [0.5] * 10 + [1.0] * 5   # 20 steps: 2 steps each end
+    assert demo_rl.start_end(curve) == (0.0, 1.0)
+    assert demo_rl.start_end([0.25, 0.5, 0.75]) == (0.25, 0.75)   # ceil: one step each end
+    assert demo_rl.start_end([0.1] * 9 + [0.3] * 11) == pytest.approx((0.1, 0.3))
+    with pytest.raises(ValueError, match="empty"):
+        demo_rl.start_end([])
+    run = demo_rl.summarise_run([{"step": i, "grpo/reward_mean": r, "time/capture_s": 1.0}
+                                 for i, r in enumerate(curve)])
+    assert (run["reward_start"], run["reward_end"], run["steps"]) == (0.0, 1.0, 20)
+    assert run["curve"] == curve and run["step_s_mean"] == 1.0
+
+
+def _seed(seed, run_end, control_end):
+    return {"seed": seed, "run": {"reward_start": 0.1, "reward_end": run_end},
+            "control": {"reward_start": 0.1, "reward_end": control_end}}
+
+
+def test_the_criterion_needs_every_run_to_learn_and_every_control_not_to():
+    chance = 0.25
+    good = [_seed(1, 0.8, 0.25), _seed(2, 0.5, 0.4), _seed(3, 0.9, 0.1)]
+    check = demo_rl.criterion(good, chance, min_gain=0.25, max_control_gain=0.15)
+    assert check["passed"] and check["failures"] == []
+    assert (check["run_min"], check["control_max"]) == (0.5, 0.4)
+    bad = [_seed(1, 0.8, 0.25), _seed(2, 0.49, 0.25), _seed(3, 0.9, 0.41)]
+    check = demo_rl.criterion(bad, chance, min_gain=0.25, max_control_gain=0.15)
+    assert not check["passed"]
+    assert len(check["failures"]) == 2
+    assert check["failures"][0].startswith("seed 2: run") and "seed 3: control" in \
+        check["failures"][1]
+    nan = demo_rl.criterion([_seed(1, float("nan"), 0.2)], chance, 0.25, 0.15)
+    assert not nan["passed"]   # a NaN reward is no evidence of learning
+
+
+def test_spread_and_the_table():
+    assert demo_rl.spread([1.0, 2.0, 3.0]) == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0}
+    assert demo_rl.spread([0.5])["std"] == 0.0
+
+
+def test_the_tool_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """Two steps per run, 64-token prompts, one seed: the receipt's shape, the PNG, the exit
+    status following the criterion (a 2-step run cannot pass it)."""
+    receipt = demo_rl.main(["--out", str(tmp_path), "--seeds", "7", "--steps", "2",
+                            "--batch", "1", "--group-size", "2", "--prompt-len", "64",
+                            "--num-prompts", "3", "--majority-count", "4",
+                            "--minority-max", "2"])
+    saved = json.loads((tmp_path / "receipt.json").read_text())
+    assert saved["seeds"][0]["seed"] == 7
+    for kind in ("run", "control"):
+        figures = saved["seeds"][0][kind]
+        assert figures["steps"] == 2 and len(figures["curve"]) == 2
+        assert figures["reward_start"] == figures["curve"][0]
+        assert figures["reward_end"] == figures["curve"][1]
+    assert saved["chance"]["marker"] == pytest.approx(1 / 3) and saved["passed"] == receipt["passed"]
+    assert (tmp_path / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "seed7-control" / "receipt.json").exists()

@@ -1,0 +1,326 @@
+"""A run that learns, with a control: `make demo-rl`.
+
+    python tools/demo_rl.py --out runs/demo-rl            (the defaults are the README's demo)
+
+The task (rewards.make_marker_task): each prompt is `--prompt-len` tokens of filler with a few
+marker tokens scattered through its first half only; one marker occurs more often than the others,
+and it is the answer. The last prompt token is the same question cue in every prompt, so nothing
+near the end tells the answer: the policy must read it from the captured prompt state. Reward
+(`longstraw:marker_majority`): 1 when the response's first token is the majority marker.
+
+For every seed, two online GRPO runs through the launcher (`--longstraw-rollout online`, tiny
+Qwen3.6 of examples/demo_rl/qwen36_demo.yaml), identical but for `--longstraw-control zeros` in
+the second: its captured prompt state is replaced by zeros before generation and training, so the
+policy sees only the question cue and cannot do better than guessing a marker. Each pair runs side
+by side (two processes, OMP_NUM_THREADS=1 each).
+
+Outputs in --out: prompts.jsonl (+ prompts.prompts/*.npy), one launcher folder per run
+(receipt.json with the per-step history), receipt.json (per seed: reward_start / reward_end of the
+run and the control, the mean rewards over the first and the last 10% of steps, and the curves;
+their mean and spread over the seeds; the criterion and whether it passed), reward_curves.png.
+Exit status 1 when the learning criterion (`criterion`) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = "examples/demo_rl/qwen36_demo.yaml"
+REWARD_KEY = "grpo/reward_mean"
+
+
+# ---- the receipt's figures ----------------------------------------------------------------------
+
+
+def start_end(curve: list[float], fraction: float = 0.1) -> tuple[float, float]:
+    """(mean of the first, mean of the last) `fraction` of the steps' rewards; at least one step
+    each (ceil), so a 5-step curve compares its first step with its last."""
+    if not curve:
+        raise ValueError("no steps: an empty reward curve has no start or end")
+    n = max(1, math.ceil(fraction * len(curve)))
+    return sum(curve[:n]) / n, sum(curve[-n:]) / n
+
+
+def summarise_run(history: list[dict]) -> dict:
+    """A launcher receipt's history -> {"reward_start", "reward_end", "curve", ...}."""
+    curve = [float(h[REWARD_KEY]) for h in history]
+    start, end = start_end(curve)
+    seconds = [sum(v for k, v in h.items() if k.startswith("time/") and k != "time/step_s")
+               for h in history]
+    return {"reward_start": start, "reward_end": end, "steps": len(curve), "curve": curve,
+            "response_len_mean": [float(h.get("grpo/response_len_mean", float("nan")))
+                                  for h in history],
+            "step_s_mean": sum(seconds) / len(seconds)}
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), min and max."""
+    mean = sum(values) / len(values)
+    std = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+           if len(values) > 1 else 0.0)
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def criterion(seeds: list[dict], chance: float, min_gain: float, max_control_gain: float) -> dict:
+    """The learning criterion: on every seed the run's reward_end >= chance + min_gain, and the
+    control's reward_end <= chance + max_control_gain (chance: one marker guessed uniformly, the
+    best a policy blind to the prompt can do on a task whose answers are uniform over the
+    markers). Returns the thresholds, the failures (one line each) and `passed`."""
+    run_min, control_max = chance + min_gain, chance + max_control_gain
+    failures = []
+    for s in seeds:
+        if not s["run"]["reward_end"] >= run_min:
+            failures.append(f"seed {s['seed']}: run reward_end {s['run']['reward_end']:.3f} < "
+                            f"{run_min:.3f} (chance {chance:.3f} + {min_gain})")
+        if not s["control"]["reward_end"] <= control_max:
+            failures.append(f"seed {s['seed']}: control reward_end "
+                            f"{s['control']['reward_end']:.3f} > {control_max:.3f} (chance "
+                            f"{chance:.3f} + {max_control_gain})")
+    return {"rule": f"every seed: run reward_end >= chance + {min_gain} and control reward_end "
+                    f"<= chance + {max_control_gain}",
+            "run_min": run_min, "control_max": control_max, "failures": failures,
+            "passed": not failures}
+
+
+def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
+    chance = 1.0 / len(task["markers"])
+    check = criterion(seeds, chance, args.min_gain, args.max_control_gain)
+    return {
+        "task": task,
+        "chance": {"marker": chance, "uniform_vocab": 1.0 / task["vocab_size"],
+                   "best_blind": task["best_blind"],
+                   "note": "marker: a uniform guess among the markers; uniform_vocab: a uniform "
+                           "guess over the model's vocabulary (the untrained policy); "
+                           "best_blind: always answering the most frequent answer of the data"},
+        "settings": {k: getattr(args, k) for k in (
+            "config", "prompt_len", "group_size", "batch", "steps", "lr", "num_prompts",
+            "temperature", "parallel")},
+        "criterion": check,
+        "seeds": seeds,
+        "summary": {"run_reward_end": spread([s["run"]["reward_end"] for s in seeds]),
+                    "control_reward_end": spread([s["control"]["reward_end"] for s in seeds]),
+                    "run_reward_start": spread([s["run"]["reward_start"] for s in seeds]),
+                    "control_reward_start": spread([s["control"]["reward_start"] for s in seeds])},
+        "wall_s": wall_s,
+        "passed": check["passed"],
+    }
+
+
+def table(receipt: dict) -> str:
+    """The markdown table of the README."""
+    rows = ["| seed | run start | run end | control start | control end |",
+            "|---:|---:|---:|---:|---:|"]
+    for s in receipt["seeds"]:
+        rows.append(f"| {s['seed']} | {s['run']['reward_start']:.3f} | "
+                    f"{s['run']['reward_end']:.3f} | {s['control']['reward_start']:.3f} | "
+                    f"{s['control']['reward_end']:.3f} |")
+    summary = receipt["summary"]
+    rows.append(f"| mean ± std | {summary['run_reward_start']['mean']:.3f} | "
+                f"{summary['run_reward_end']['mean']:.3f} ± {summary['run_reward_end']['std']:.3f}"
+                f" | {summary['control_reward_start']['mean']:.3f} | "
+                f"{summary['control_reward_end']['mean']:.3f} ± "
+                f"{summary['control_reward_end']['std']:.3f} |")
+    return "\n".join(rows)
+
+
+# ---- PNG (matplotlib, the bench extra) ----------------------------------------------------------
+
+
+def _smooth(curve: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(curve)):
+        part = curve[max(0, i - window + 1): i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def write_png(receipt: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    window = max(1, receipt["settings"]["steps"] // 10)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(receipt["seeds"]):
+        color = colors[i % len(colors)]
+        for kind, style in (("run", "-"), ("control", "--")):
+            curve = s[kind]["curve"]
+            ax.plot(range(len(curve)), _smooth(curve, window), style, color=color,
+                    label=f"seed {s['seed']} {kind}")
+    chance = receipt["chance"]
+    ax.axhline(chance["marker"], color="grey", lw=0.8, ls=":", label="chance (markers)")
+    ax.axhline(chance["uniform_vocab"], color="black", lw=0.8, ls=":", label="chance (vocab)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"mean reward (moving average over {window} steps)")
+    task = receipt["task"]
+    ax.set_title(f"online GRPO, tiny Qwen3.6, P = {task['prompt_len']}, G = "
+                 f"{receipt['settings']['group_size']}: run vs control (prompt state zeroed)",
+                 fontsize=9)
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- the runs -----------------------------------------------------------------------------------
+
+
+def balanced_rows(rows: list[dict], markers: list[int], seed: int) -> list[dict]:
+    """`rows` reordered into blocks of len(markers) prompts, one per answer, each block in a
+    seeded order (rows past the last complete block dropped). With --global-batch-size equal to
+    the number of markers and the file's order, every step sees each answer once: the GRPO
+    update then cannot raise one marker for all prompts (a step's groups pull the prior towards
+    their own answers, which cancel), only the marker the prompt's evidence points to."""
+    import numpy as np
+
+    buckets = {m: [r for r in rows if r["meta"]["answer"] == m] for m in markers}
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(min(len(b) for b in buckets.values())):
+        block = [buckets[m][k] for m in markers]
+        out.extend(block[i] for i in rng.permutation(len(block)))
+    return out
+
+
+def make_task(args, out: Path) -> dict:
+    """The prompts (JSONL, prompt ids inline) and the task's description for the receipt."""
+    import yaml
+
+    from megatron_longstraw.rewards import make_marker_task
+
+    vocab = yaml.safe_load((ROOT / args.config).read_text())["model"]["vocab_size"]
+    markers = list(range(vocab - args.num_markers, vocab))
+    filler = list(range(vocab - args.num_markers))   # the first id is the question cue
+    if len(filler) < 2:
+        raise SystemExit(f"vocabulary {vocab} leaves no filler beside {args.num_markers} markers "
+                         "and the question cue")
+    # Answers are drawn uniformly: 3x the prompts (+ a margin) leaves enough of each to balance.
+    rows = make_marker_task(3 * args.num_prompts + 10 * len(markers), args.prompt_len, markers,
+                            filler, seed=args.data_seed, majority_count=args.majority_count,
+                            minority_max=args.minority_max)
+    rows = balanced_rows(rows, markers, args.data_seed)[:args.num_prompts]
+    path = out / "prompts.jsonl"
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    answers = [r["meta"]["answer"] for r in rows]
+    return {"path": str(path), "num_prompts": len(rows),
+            "prompt_len": args.prompt_len, "vocab_size": vocab, "markers": markers,
+            "question_id": filler[0], "filler_ids": filler[1:],
+            "majority_count": args.majority_count,
+            "minority_max": args.minority_max or args.majority_count // 2,
+            "evidence": "first half of the prompt", "order": "balanced blocks, file order",
+            "best_blind": max(answers.count(m) for m in markers) / len(answers)}
+
+
+def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list[str]:
+    name = f"seed{seed}-{'control' if control else 'run'}"
+    argv = ["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config", args.config,
+            "--longstraw-data", task["path"], "--longstraw-rollout", "online",
+            "--longstraw-reward", "longstraw:marker_majority",
+            "--longstraw-group-size", str(args.group_size), "--longstraw-max-new-tokens", "1",
+            "--longstraw-temperature", str(args.temperature),
+            "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", "constant",
+            "--clip-grad", "1.0", "--train-iters", str(args.steps),
+            "--global-batch-size", str(args.batch), "--seed", str(seed),
+            "--no-longstraw-data-shuffle",
+            "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
+    return argv + (["--longstraw-control", "zeros"] if control else [])
+
+
+def child_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONWARNINGS="ignore")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_one(args, task: dict, seed: int, control: bool, out: Path) -> dict:
+    """One launcher run in its own process; its receipt's history summarised."""
+    argv = launcher_argv(args, task, seed, control, out)
+    name = argv[argv.index("--longstraw-run-name") + 1]
+    start = time.perf_counter()
+    with (out / f"{name}.log").open("w") as log:
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "pretrain_gpt.py"), *argv],
+                              stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
+    if proc.returncode != 0:
+        tail = (out / f"{name}.log").read_text().strip().splitlines()[-3:]
+        raise SystemExit(f"{name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    receipt = json.loads((out / name / "receipt.json").read_text())
+    return {**summarise_run(receipt["history"]), "wall_s": time.perf_counter() - start}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/demo-rl")
+    p.add_argument("--config", default=CONFIG, help="Model YAML (relative to the repository).")
+    p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=3, help="Prompts per step (--global-batch-size).")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--num-prompts", type=int, default=150)
+    p.add_argument("--num-markers", type=int, default=3)
+    p.add_argument("--majority-count", type=int, default=1200)
+    p.add_argument("--minority-max", type=int, default=250,
+                   help="Every other marker occurs 1..this many times.")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--parallel", type=int, default=2, help="Runs at a time (one process each).")
+    p.add_argument("--min-gain", type=float, default=0.25,
+                   help="Criterion: the run's reward_end >= chance + this, every seed.")
+    p.add_argument("--max-control-gain", type=float, default=0.15,
+                   help="Criterion: the control's reward_end <= chance + this, every seed.")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = make_task(args, out)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    jobs = [(seed, control) for seed in seeds for control in (False, True)]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(lambda job: run_one(args, task, *job, out), jobs))
+    by_job = dict(zip(jobs, results))
+    per_seed = [{"seed": seed, "run": by_job[(seed, False)], "control": by_job[(seed, True)]}
+                for seed in seeds]
+    receipt = build_receipt(args, per_seed, task, time.perf_counter() - start)
+    from megatron_longstraw.receipts import write_json_atomic
+
+    write_json_atomic(out / "receipt.json", receipt)
+    write_png(receipt, out / "reward_curves.png")
+    chance = receipt["chance"]
+    print(table(receipt))
+    print(f"chance: {chance['marker']:.3f} (a marker guessed uniformly), "
+          f"{chance['uniform_vocab']:.3f} (uniform over the vocabulary), best blind "
+          f"{chance['best_blind']:.3f}; wall {receipt['wall_s']:.0f} s")
+    check = receipt["criterion"]
+    print(f"criterion: {check['rule']}: {'PASSED' if check['passed'] else 'FAILED'}")
+    for line in check["failures"]:
+        print(f"  {line}")
+    print(f"receipt {out / 'receipt.json'}, plot {out / 'reward_curves.png'}")
+    return receipt
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["passed"] else 1)
