@@ -271,7 +271,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/demo-rl")
     p.add_argument("--config", default=CONFIG, help="Model YAML (relative to the repository).")
     p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=3, help="Prompts per step (--global-batch-size).")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=4096)
