@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatron_longstraw.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.capture import CapturedPrompt
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logits, run_group
 from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
@@ -170,12 +170,6 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
             for m in range(num_members)]
 
 
-def generate_from_prompt(model, prompt_ids: torch.Tensor, num_members: int,
-                         params: SamplingParams, cfg: LongStrawConfig) -> list[Generation]:
-    """Capture `prompt_ids` (detached: no backward inputs kept) and `generate` from it."""
-    return generate(model, capture_prompt(model, prompt_ids, cfg), num_members, params, cfg)
-
-
 def _sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probs of the sampling distribution [A, vocab]: temperature, then top-k, then top-p
     (the smallest set of most likely tokens whose probability reaches top_p), renormalised;
@@ -203,13 +197,3 @@ def _sample(logp: torch.Tensor, params: SamplingParams,
         return logp.argmax(-1)
     return torch.stack([torch.multinomial(row.exp(), 1, generator=g)[0]
                         for row, g in zip(logp, samplers)])
-
-
-def generations_to_group(prompt_ids: torch.Tensor, generations: Sequence[Generation],
-                         rewards: Sequence[float]):
-    """A `GRPOGroup` of the generated responses (the engine log-probs are the model's)."""
-    from megatron_longstraw.grpo import GRPOGroup
-
-    return GRPOGroup(prompt_ids=prompt_ids, response_ids=[g.token_ids for g in generations],
-                     rewards=torch.tensor(list(rewards), dtype=torch.float64),
-                     logps_old=[g.logprobs for g in generations])

@@ -197,6 +197,23 @@ def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
             "plain_forward": _plain_forward(model)}
 
 
+def _case_model(family, cp, ep, state_path):
+    """A case's tiny fp64 model on CP (x EP) ranks, with the test's weights (this rank's experts).
+    -> (config, model, number of routed experts)"""
+    from megatron_longstraw import parallel
+
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
+                        init_method=os.environ["LONGSTRAW_TEST_INIT"])
+    if family == "deepseekv3":
+        from test_deepseekv3 import build_tiny_deepseekv3 as build
+    else:
+        build = build_tiny_glm if family == "glm52" else build_tiny_qwen
+    cfg, model = build(torch.float64)
+    experts = getattr(cfg, "n_routed_experts", 0) or 0
+    parallel.load_full_state_dict(model, torch.load(state_path), experts)
+    return cfg, model, experts
+
+
 def exact_gradient_worker(rank, cases, lens):
     """Groups with the exact prompt gradient on CP (x EP) ranks, one case after the other in the
     same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
@@ -209,15 +226,7 @@ def exact_gradient_worker(rank, cases, lens):
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
-        parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
-                            init_method=os.environ["LONGSTRAW_TEST_INIT"])
-        if family == "deepseekv3":
-            from test_deepseekv3 import build_tiny_deepseekv3 as build
-        else:
-            build = build_tiny_glm if family == "glm52" else build_tiny_qwen
-        cfg, model = build(torch.float64)
-        experts = getattr(cfg, "n_routed_experts", 0) or 0
-        parallel.load_full_state_dict(model, torch.load(state_path), experts)
+        cfg, model, experts = _case_model(family, cp, ep, state_path)
         gen = torch.Generator().manual_seed(11)
         group = GRPOGroup(
             prompt_ids=torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen),
@@ -244,15 +253,7 @@ def decode_worker(rank, cases):
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
-        parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
-                            init_method=os.environ["LONGSTRAW_TEST_INIT"])
-        if family == "deepseekv3":
-            from test_deepseekv3 import build_tiny_deepseekv3 as build
-        else:
-            build = build_tiny_glm if family == "glm52" else build_tiny_qwen
-        cfg, model = build(torch.float64)
-        experts = getattr(cfg, "n_routed_experts", 0) or 0
-        parallel.load_full_state_dict(model, torch.load(state_path), experts)
+        cfg, model, experts = _case_model(family, cp, ep, state_path)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                                generator=torch.Generator().manual_seed(4))
         ls = LongStrawConfig(group_size=3, query_block=7, key_block=23, token_block=19,

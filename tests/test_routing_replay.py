@@ -152,13 +152,18 @@ def test_supplied_selections_are_what_scoring_and_replay_attend_with(tiny, monke
         assert float((old - new).abs().max()) <= 1e-12
 
 
+def _random_experts(cfg, routed, seed):
+    """Distinct random experts per token and MoE layer, shaped like the natural `routed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(r.shape[:2] + (cfg.n_routed_experts,), generator=gen)
+            .argsort(-1)[..., :cfg.num_experts_per_tok].to(torch.int32) for r in routed]
+
+
 def test_supplied_experts_are_what_scoring_and_replay_route_to(tiny):
     cfg, model = tiny
     group = _group(cfg.vocab_size)
     natural, _, routed, _ = _natural(model, group)
-    gen = torch.Generator().manual_seed(7)
-    supplied = [torch.rand(r.shape[:2] + (cfg.n_routed_experts,), generator=gen)
-                .argsort(-1)[..., :cfg.num_experts_per_tok].to(torch.int32) for r in routed]
+    supplied = _random_experts(cfg, routed, seed=7)
     assert not any(torch.equal(s.sort(-1).values, r) for s, r in zip(supplied, routed))
     result, _, calls = _run(model, _group(cfg.vocab_size, routed_experts=supplied))
     num_moe = len(routing_replay.moe_routers(model))
@@ -280,9 +285,7 @@ def test_context_parallel_ranks_replay_their_own_rows(tiny, tmp_path):
     cfg, model = tiny
     group = _group(cfg.vocab_size)
     natural, _, routed, _ = _natural(model, group)
-    gen = torch.Generator().manual_seed(11)
-    experts = [torch.rand(r.shape[:2] + (cfg.n_routed_experts,), generator=gen)
-               .argsort(-1)[..., :cfg.num_experts_per_tok].to(torch.int32) for r in routed]
+    experts = _random_experts(cfg, routed, seed=11)
     dsa = _random_selections(group, cfg.index_topk, cfg.num_full_indexer_layers(), seed=12)
     supplied = _group(cfg.vocab_size, routed_experts=experts, dsa_topk=dsa)
     reference, ref_grads, _ = _run(model, supplied)

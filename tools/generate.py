@@ -71,7 +71,7 @@ def main(argv=None) -> list[dict]:
     from megatron_longstraw import errors, parallel
     from megatron_longstraw.arguments import longstraw_config_from_yaml
     from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.data import load_tokenizer
+    from megatron_longstraw.data import load_tokenizer, read_line
     from megatron_longstraw.dataset import GroupDataset
     from megatron_longstraw.decode import SamplingParams, generate
     from megatron_longstraw.capture import capture_prompt
@@ -98,8 +98,6 @@ def main(argv=None) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     lines = []
-    raw_lines = [json.loads(line) for line in Path(args.input).read_text().splitlines()
-                 if line.strip()]
     try:
         with tmp.open("w", encoding="utf-8") as f:
             for k in range(len(prompts)):
@@ -108,7 +106,8 @@ def main(argv=None) -> list[dict]:
                 captured = capture_prompt(model, prompt, ls)
                 params = SamplingParams(**{**base.__dict__, "seed": args.seed + k})
                 gens = generate(model, captured, args.group_size, params, ls)
-                row = {key: value for key, value in raw_lines[k].items()
+                given = json.loads(read_line(prompts.path, int(prompts.offsets[k])))
+                row = {key: value for key, value in given.items()
                        if key in ("id", "prompt", "prompt_ids", "prompt_file", "meta")}
                 if "prompt_file" in row:
                     row["prompt_file"] = os.path.relpath(
