@@ -112,6 +112,11 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Keys per indexer-score block (running top-k).")
     group.add_argument("--longstraw-dtype", choices=("fp32", "bf16", "fp64"), default=None,
                        help="Parameter dtype (default: bf16 with --bf16, else fp32).")
+    group.add_argument("--longstraw-live-bytes", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="Measure each phase's peak live tensor bytes every step (default on). "
+                            "On CPU this reads the profiler's allocation events, seconds per step "
+                            "on long prompts; on a GPU it reads the allocator's counters.")
     return parser
 
 

@@ -147,19 +147,21 @@ def step_memory(peak_saved_tensor_bytes: int, page_bytes: int,
     and the page bytes of all ranks. `peak_saved_tensor_bytes`: this rank's
     `SavedTensorMeter.peak_bytes`; `page_bytes`: this rank's `StepResult.page_bytes`;
     `peak_live_bytes`: this rank's `LiveBytesMeter` figures by phase (LIVE_PHASES; "step" the
-    whole step's), from the step's start: what the phase held at its peak, pages included."""
+    whole step's), from the step's start: what the phase held at its peak, pages included; None
+    when not measured (`--no-longstraw-live-bytes`): no live-bytes lines then."""
     import torch.distributed as dist
 
     from megatron_longstraw.memory import peak_rss_bytes
 
-    live = peak_live_bytes or {}
+    phases = LIVE_PHASES if peak_live_bytes is not None else ()
     peaks = torch.tensor([peak_rss_bytes(), peak_saved_tensor_bytes,
-                          *(live.get(p, 0) for p in LIVE_PHASES), page_bytes], dtype=torch.float64)
+                          *(peak_live_bytes.get(p, 0) for p in phases), page_bytes],
+                         dtype=torch.float64)
     dist.all_reduce(peaks[:-1], op=dist.ReduceOp.MAX)
     page_total = peaks[-1:].clone()
     dist.all_reduce(page_total)
     return {"memory/peak_rss_bytes": peaks[0], "memory/peak_saved_tensor_bytes": peaks[1],
-            **{f"memory/peak_live_bytes/{p}": peaks[2 + i] for i, p in enumerate(LIVE_PHASES)},
+            **{f"memory/peak_live_bytes/{p}": peaks[2 + i] for i, p in enumerate(phases)},
             "memory/page_bytes_all_ranks": page_total[0]}
 
 
@@ -195,7 +197,8 @@ def step_receipt(*, name: str, family: str, config: str | None, group, result, m
         **pages,
         "peak_rss_bytes": int(memory["memory/peak_rss_bytes"]),
         "peak_saved_tensor_bytes": int(memory["memory/peak_saved_tensor_bytes"]),
-        "peak_live_bytes": {p: int(memory[f"memory/peak_live_bytes/{p}"]) for p in LIVE_PHASES},
+        "peak_live_bytes": ({p: int(memory[f"memory/peak_live_bytes/{p}"]) for p in LIVE_PHASES}
+                            if "memory/peak_live_bytes/step" in memory else None),
         "phase_seconds": result.phase_seconds,
         "loss": result.loss,
         "stats": result.stats,
@@ -241,7 +244,8 @@ def step_summary(receipt: dict, *, model: str, lora, backend: str, path: Path) -
             for kind, nbytes in receipt["page_bytes_by_kind"].items())),
         ("peak RSS (max rank)", human_bytes(receipt["peak_rss_bytes"])),
         ("peak live tensors", ", ".join(f"{p} {human_bytes(n)}"
-                                        for p, n in receipt["peak_live_bytes"].items())),
+                                        for p, n in receipt["peak_live_bytes"].items())
+         if receipt["peak_live_bytes"] is not None else "not measured (--no-longstraw-live-bytes)"),
         ("peak saved tensors", human_bytes(receipt["peak_saved_tensor_bytes"])),
         ("loss", f"{receipt['loss']:.6f}"),
         ("mean reward", f"{receipt['stats']['reward_mean']:.3f}"),

@@ -32,6 +32,7 @@ writes base + adapters merged in model format after the last step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -553,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict:
                       step_groups(args, model_cfg, ls, sampler, data, consumed, reward_fn))
             bar = ProgressBar(f"step {step} capture") if rank == 0 else None
             lr = lr_schedule.current_lr(optimizer)
-            with SavedTensorMeter(model) as meter, LiveBytesMeter() as live:
+            live = LiveBytesMeter() if args.longstraw_live_bytes else contextlib.nullcontext()
+            with SavedTensorMeter(model) as meter, live:
                 captures = None
                 if online:
                     rollouts = online_groups(model, ls, sampler, data, consumed, reward_fn)
@@ -578,7 +580,8 @@ def main(argv: list[str] | None = None) -> dict:
                 scheduler.step(1)
             report = replica_mean(result, dp_size)
             memory = step_memory(meter.peak_bytes, result.page_bytes,
-                                 {**live.phase_peaks, "step": live.peak_bytes})
+                                 {**live.phase_peaks, "step": live.peak_bytes}
+                                 if args.longstraw_live_bytes else None)
             extras = {**memory, "optimizer/lr": lr, "skipped_steps": skipped,
                       "consumed_groups": consumed}
             logger.log(step, report, extras)

@@ -211,7 +211,8 @@ def make_task(args, out: Path) -> dict:
     # Answers are drawn uniformly: 3x the prompts (+ a margin) leaves enough of each to balance.
     rows = make_marker_task(3 * args.num_prompts + 10 * len(markers), args.prompt_len, markers,
                             filler, seed=args.data_seed, majority_count=args.majority_count,
-                            minority_max=args.minority_max)
+                            minority_max=args.minority_max,
+                            evidence_fraction=args.evidence_fraction)
     rows = balanced_rows(rows, markers, args.data_seed)[:args.num_prompts]
     path = out / "prompts.jsonl"
     with path.open("w") as f:
@@ -223,7 +224,7 @@ def make_task(args, out: Path) -> dict:
             "question_id": filler[0], "filler_ids": filler[1:],
             "majority_count": args.majority_count,
             "minority_max": args.minority_max or args.majority_count // 2,
-            "evidence": "first half of the prompt", "order": "balanced blocks, file order",
+            "evidence": f"first {args.evidence_fraction:g} of the prompt", "order": "balanced blocks, file order",
             "best_blind": max(answers.count(m) for m in markers) / len(answers)}
 
 
@@ -237,7 +238,7 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
             "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", "constant",
             "--clip-grad", "1.0", "--train-iters", str(args.steps),
             "--global-batch-size", str(args.batch), "--seed", str(seed),
-            "--no-longstraw-data-shuffle",
+            "--no-longstraw-data-shuffle", "--no-longstraw-live-bytes",
             "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
     return argv + (["--longstraw-control", "zeros"] if control else [])
 
@@ -280,6 +281,8 @@ def parse_args(argv=None):
     p.add_argument("--majority-count", type=int, default=1200)
     p.add_argument("--minority-max", type=int, default=250,
                    help="Every other marker occurs 1..this many times.")
+    p.add_argument("--evidence-fraction", type=float, default=0.5,
+                   help="Markers sit in this leading fraction of the prompt; the rest is filler.")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--temperature", type=float, default=1.0)
