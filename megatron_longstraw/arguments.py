@@ -106,6 +106,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Kernel backend (auto picks the fastest available and logs it).")
     group.add_argument("--longstraw-token-block", type=int, default=None,
                        help="Tokens per chunk for token-wise work in capture.")
+    group.add_argument("--longstraw-capture", choices=("streamed", "whole"), default=None,
+                       help="One process: streamed capture (token blocks, the residual stream in "
+                            "host memory; default) or whole (each layer over the whole prompt on "
+                            "the device: the reference).")
     group.add_argument("--longstraw-query-block", type=int, default=None,
                        help="Queries per sparse-attention block.")
     group.add_argument("--longstraw-key-block", type=int, default=None,
@@ -257,6 +261,7 @@ _FLAG_TO_FIELD = {
     "longstraw_prompt_grad": "prompt_grad",
     "longstraw_kernels": "kernels",
     "longstraw_token_block": "token_block",
+    "longstraw_capture": "capture",
     "longstraw_query_block": "query_block",
     "longstraw_key_block": "key_block",
     "longstraw_seed": "seed",

@@ -5,10 +5,19 @@ The captured prefix is `prompt[:-1]`. The last prompt token is replayed with eve
 its output scores the first response token, so replaying it keeps that token's own computation in
 the member's autograd graph (only the state of the tokens before it is a constant).
 
-Memory: the residual stream of the local prompt tokens `[P, h]`, the pages, and per-block scratch;
-FFN/MoE intermediates live for one token chunk, indexer scores for one (query block, key block)
-pair; the largest top-k selection kept is the latest full indexer layer's `[P, k]` (IndexShare
-layers read it). Nothing is O(P^2).
+On one process capture is streamed (`capture_block`): layer by layer, token block by token block.
+The residual stream lives in a host buffer of `[P, 1, h]` (the pages' storage); each block is
+copied to the device, run through the decoder layer (the mixer appends its rows to the pages and
+reads earlier rows from them one key window at a time, or continues the GDN state stored there)
+and its output overwrites the block's rows of the buffer (a block's input is not read again: later
+blocks read the layer's pages). DSA selections are int32 in host memory, the latest full indexer
+layer's only (what IndexShare reads). Device memory is then one block's activations, one key
+window or one query block's selected rows, and one layer's weights: nothing of the prompt's size.
+
+Under context parallelism each rank runs its whole shard per layer (`capture`: the mixers gather
+or ring the shard's keys; the residual stream `[P / CP, h]` on the device). Nothing is O(P^2)
+either way: FFN/MoE intermediates live for one token chunk, indexer scores for one (query block,
+key block) pair.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from typing import Callable
 import torch
 
 from megatron_longstraw.config import LongStrawConfig
+from megatron_longstraw.memory import note_host
 from megatron_longstraw.models.common import decoder_groups, embed, run_group, selection_kinds
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
@@ -92,37 +102,83 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
     backward = None
     if num_captured > 0:
         if keep_for_backward:
-            backward = PromptBackwardInputs([], {}, prefix[positions].to(pages.storage_device))
-        # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
-        longest = max(CPLayout(None, layout.size, r).prompt_positions(num_captured).numel()
-                      for r in range(layout.size))
-        num_chunks = -(-longest // cfg.token_block)
-        state = AttentionPass(mode="capture", pages=pages, positions=positions,
-                              cp=CPPass.for_capture(layout, num_captured),
+            backward = PromptBackwardInputs([], {}, note_host(prefix[positions].to(
+                pages.storage_device, copy=True)))
+        streamed = layout.size == 1 and cfg.capture == "streamed"
+        state = AttentionPass(mode="capture_block" if streamed else "capture", pages=pages,
+                              positions=positions, cp=CPPass.for_capture(layout, num_captured),
                               query_block=cfg.query_block, key_block=cfg.key_block,
                               token_block=cfg.token_block,
                               boundaries={} if keep_for_backward and layout.size == 1 else None)
+        run = _run_streamed if streamed else _run_whole
         with torch.no_grad(), attention_pass(state):
-            hidden = embed(model, prefix[positions])                # [n_local, 1, h]
-            groups = decoder_groups(model)
-            for layer_idx, group in enumerate(groups):
-                if backward is not None:
-                    backward.layer_inputs.append(hidden.to(pages.storage_device, copy=True))
-                hidden = run_group(group, hidden, num_chunks)
-                if backward is not None:   # capture keeps only the latest; the backward needs all
-                    for layer, selection in state.selections.items():
-                        if layer not in backward.selections:
-                            backward.selections[layer] = selection.to(pages.storage_device,
-                                                                      torch.int32)
-                if progress is not None:
-                    progress(layer_idx + 1, len(groups))
+            run(model, prefix, state, cfg, backward, progress)
         if backward is not None:
-            backward.cotangent = torch.zeros_like(backward.layer_inputs[-1])
+            backward.cotangent = note_host(torch.zeros_like(backward.layer_inputs[-1]))
             backward.boundaries = state.boundaries
             pages.keep_grads([kind for kind in pages.bytes_by_kind()
                               if kind not in selection_kinds(model)])
-        del hidden
         state.selections.clear()
     return CapturedPrompt(pages=pages, prefix_len=num_captured, last_token=int(prompt_ids[-1]),
                           layout=layout, positions=positions,
                           seconds=time.perf_counter() - start, backward=backward)
+
+
+def _keep_selections(state: AttentionPass, backward: PromptBackwardInputs | None) -> None:
+    """The exact gradient needs every full indexer layer's top-k (capture keeps the latest)."""
+    if backward is None:
+        return
+    for layer, selection in state.selections.items():
+        if layer not in backward.selections:
+            backward.selections[layer] = note_host(
+                selection.to(state.pages.storage_device, torch.int32, copy=True))
+
+
+def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
+    """Every layer over this rank's whole shard (the residual stream on the device)."""
+    layout, storage = state.cp.layout, state.pages.storage_device
+    # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
+    longest = max(CPLayout(None, layout.size, r).prompt_positions(state.cp.global_len).numel()
+                  for r in range(layout.size))
+    num_chunks = -(-longest // cfg.token_block)
+    hidden = embed(model, prefix[state.positions])                  # [n_local, 1, h]
+    groups = decoder_groups(model)
+    for layer_idx, group in enumerate(groups):
+        if backward is not None:
+            backward.layer_inputs.append(note_host(hidden.to(storage, copy=True)))
+        # One process: chunks of token_block rows, the FFN/MoE calls of streamed capture.
+        hidden = run_group(group, hidden, num_chunks,
+                           chunk_rows=cfg.token_block if layout.size == 1 else None)
+        _keep_selections(state, backward)
+        if progress is not None:
+            progress(layer_idx + 1, len(groups))
+
+
+def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
+    """Streamed capture (one process): the residual stream in a host buffer, every layer run one
+    token block at a time (`capture_block`; module docstring)."""
+    positions, storage = state.positions, state.pages.storage_device
+    device = prefix.device
+    blocks = [(s, min(s + cfg.token_block, positions.numel()))
+              for s in range(0, positions.numel(), cfg.token_block)]
+    residual = None
+    for start, end in blocks:
+        hidden = embed(model, prefix[positions[start:end]])         # [b, 1, h]
+        if residual is None:
+            residual = note_host(torch.empty((positions.numel(),) + tuple(hidden.shape[1:]),
+                                             dtype=hidden.dtype, device=storage))
+        residual[start:end].copy_(hidden)
+    del hidden
+    groups = decoder_groups(model)
+    for layer_idx, group in enumerate(groups):
+        if backward is not None:
+            backward.layer_inputs.append(note_host(residual.clone()))
+        for start, end in blocks:
+            state.positions, state.block_start = positions[start:end], start
+            out = run_group(group, residual[start:end].to(device))
+            residual[start:end].copy_(out)
+        del out
+        state.positions, state.block_start = positions, 0
+        _keep_selections(state, backward)
+        if progress is not None:
+            progress(layer_idx + 1, len(groups))

@@ -45,7 +45,14 @@ class LongStrawConfig:
     prompt backward runs the prompt's layers in reverse: the update of standard GRPO;
     prompt_backward.py)."""
     token_block: int = 8192
-    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE); the token block
+    of streamed capture."""
+    capture: str = "streamed"
+    """Capture on one process: "streamed" (layer by layer, token block by token block, the
+    residual stream in host memory: nothing of the prompt's size on the device; capture.py) or
+    "whole" (each layer over the whole prompt on the device: the earlier schedule, kept as the
+    reference streamed capture is tested against). Under context parallelism capture runs each
+    rank's whole shard."""
     query_block: int = 1024
     """Queries per sparse-attention block."""
     key_block: int = 4096
@@ -105,6 +112,9 @@ class LongStrawConfig:
                 hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
                         if isinstance(value, str) else "")
                 raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if self.capture not in ("streamed", "whole"):
+            raise ValueError(f"longstraw capture must be 'streamed' or 'whole', got "
+                             f"{self.capture!r}.")
         if self.prompt_grad not in PROMPT_GRAD_MODES:
             raise ValueError(f"longstraw prompt_grad must be one of {list(PROMPT_GRAD_MODES)}, "
                              f"got {self.prompt_grad!r}.")

@@ -118,19 +118,29 @@ class LiveBytesMeter:
     Phases may be sequential, repeated (`phase_peaks` keeps the largest peak of a name) or nested
     (an outer phase's peak includes its inner phases'). One meter is active at a time: the device's
     peak counter, and on CPU the profiler, are process-wide.
+
+    Host storage (`exclude_host=True`): on a GPU machine the pages, the residual stream between
+    layers and the other prompt-sized buffers live in pinned host memory, which the CUDA counters
+    never see. On CPU both share one allocator, so the owners of such buffers name them with
+    `note_host(tensor)` right after allocating them, and the CPU meter then leaves their blocks
+    out of every figure (`host_peak_bytes` keeps their own peak): the figures are what a device
+    would hold, on either machine.
     """
 
     _active: ClassVar["LiveBytesMeter | None"] = None
 
-    def __init__(self, device: torch.device | str | None = None):
-        """`device`: whose allocator to read; default CUDA's current device if available, else CPU."""
+    def __init__(self, device: torch.device | str | None = None, exclude_host: bool = False):
+        """`device`: whose allocator to read; default CUDA's current device if available, else CPU.
+        `exclude_host`: leave out the blocks named by `note_host` (CPU; CUDA never counts them)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"LiveBytesMeter reads the CPU or the CUDA allocator, not {self.device.type}")
+        self.exclude_host = exclude_host
         self.peak_bytes = 0
         self.end_bytes = 0
+        self.host_peak_bytes = 0
         self.phases: list[PhasePeak] = []
         self._source: _CpuAllocationEvents | _CudaCounters | None = None
 
@@ -147,7 +157,8 @@ class LiveBytesMeter:
             raise RuntimeError("a LiveBytesMeter is already active: meters do not nest (the peak "
                                "counter is process-wide); use meter.phase(name) for a sub-range")
         self.peak_bytes, self.end_bytes, self.phases = 0, 0, []
-        self._source = _CudaCounters(self.device) if self.device.type == "cuda" else _CpuAllocationEvents()
+        self._source = (_CudaCounters(self.device) if self.device.type == "cuda"
+                        else _CpuAllocationEvents(self.exclude_host))
         self._source.start()
         LiveBytesMeter._active = self
         return self
@@ -155,6 +166,7 @@ class LiveBytesMeter:
     def __exit__(self, *exc) -> None:
         LiveBytesMeter._active = None
         self.peak_bytes, self.end_bytes, self.phases = self._source.stop()
+        self.host_peak_bytes = getattr(self._source, "host_peak_bytes", 0)
         self._source = None
 
     @contextlib.contextmanager
@@ -167,9 +179,16 @@ class LiveBytesMeter:
 
 
 class _CpuAllocationEvents:
-    """CPU allocations and frees from the profiler's memory events; phases are user-scope ranges."""
+    """CPU allocations and frees from the profiler's memory events; phases are user-scope ranges;
+    `note_host` marks (a user-scope range named by the block's address) which allocations are host
+    storage: the latest allocation at that address before the mark."""
 
     _MARKER = "LiveBytesMeter.phase#"
+    _HOST = "LiveBytesMeter.host#"
+
+    def __init__(self, exclude_host: bool = False):
+        self.exclude_host = exclude_host
+        self.host_peak_bytes = 0
 
     def start(self) -> None:
         # torch's private profiler entry points, the ones torch.profiler.profile calls: the public
@@ -199,11 +218,28 @@ class _CpuAllocationEvents:
         with torch.profiler.record_function(f"{self._MARKER}{len(self.phase_names) - 1}"):
             yield
 
+    def note_host(self, tensor: torch.Tensor) -> None:
+        if self.exclude_host and tensor.device.type == "cpu" and tensor.numel():
+            with torch.profiler.record_function(f"{self._HOST}{tensor.untyped_storage().data_ptr()}"):
+                pass
+
     def stop(self) -> tuple[int, int, list[PhasePeak]]:
-        events, spans = self._read_events()
+        events, spans, marks = self._read_events()
+        host = self._host_allocations(events, marks)
         times, live_after = [], []                         # live bytes after each event
         live, block_bytes = 0, {}                          # ptr -> bytes, of blocks allocated since entry
-        for time_ns, ptr, nbytes in events:
+        host_live, host_blocks = 0, set()                  # the host storage's, apart
+        for i, (time_ns, ptr, nbytes) in enumerate(events):
+            if nbytes > 0 and i in host:
+                host_blocks.add(ptr)
+                host_live += nbytes
+                self.host_peak_bytes = max(self.host_peak_bytes, host_live)
+                block_bytes[ptr] = nbytes
+                continue
+            if nbytes <= 0 and ptr in host_blocks:
+                host_blocks.discard(ptr)
+                host_live -= block_bytes.pop(ptr)
+                continue
             if nbytes > 0:
                 block_bytes[ptr] = nbytes
                 live += nbytes
@@ -222,11 +258,28 @@ class _CpuAllocationEvents:
             phases.append(PhasePeak(name, start_bytes, max([start_bytes, *inside]), end_bytes))
         return max([0, *live_after]), live, phases
 
-    def _read_events(self) -> tuple[list[tuple[int, int, int]], dict[int, tuple[int, int]]]:
+    @staticmethod
+    def _host_allocations(events, marks) -> set[int]:
+        """Indices of the allocation events that `note_host` marked: for each mark, the latest
+        allocation at its address at or before the mark's time."""
+        allocs: dict[int, list[tuple[int, int]]] = {}
+        for i, (time_ns, ptr, nbytes) in enumerate(events):
+            if nbytes > 0:
+                allocs.setdefault(ptr, []).append((time_ns, i))
+        host = set()
+        for time_ns, ptr in marks:
+            found = allocs.get(ptr, [])
+            j = bisect.bisect_right(found, (time_ns, len(events))) - 1
+            if j >= 0:
+                host.add(found[j][1])
+        return host
+
+    def _read_events(self) -> tuple[list[tuple[int, int, int]], dict[int, tuple[int, int]],
+                                    list[tuple[int, int]]]:
         """Stop the profiler; (time_ns, ptr, signed bytes) of each CPU allocation and free in time
-        order, and (start_ns, end_ns) of each phase by index."""
+        order, (start_ns, end_ns) of each phase by index, and (time_ns, ptr) of each host mark."""
         from torch._C._profiler import _EventType
-        events, spans = [], {}
+        events, spans, marks = [], {}, []
         stack = list(reversed(self._disable().experimental_event_tree()))
         while stack:                                       # pre-order: ties keep the recorded order
             node = stack.pop()
@@ -237,9 +290,11 @@ class _CpuAllocationEvents:
                 continue
             if node.name.startswith(self._MARKER):
                 spans[int(node.name[len(self._MARKER):])] = (node.start_time_ns, node.end_time_ns)
+            elif node.name.startswith(self._HOST):
+                marks.append((node.start_time_ns, int(node.name[len(self._HOST):])))
             stack.extend(reversed(node.children))
         events.sort(key=lambda event: event[0])
-        return events, spans
+        return events, spans, marks
 
 
 class _CudaCounters:
@@ -283,6 +338,15 @@ class _CudaCounters:
     def stop(self) -> tuple[int, int, list[PhasePeak]]:
         self._fold_peak()
         return self.peak, self._now(), self.phases
+
+
+def note_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Name `tensor` (just allocated) host storage for the active `LiveBytesMeter(exclude_host=
+    True)` on CPU (see its docstring); a no-op otherwise. Returns `tensor`."""
+    meter = LiveBytesMeter._active
+    if meter is not None and isinstance(meter._source, _CpuAllocationEvents):
+        meter._source.note_host(tensor)
+    return tensor
 
 
 def phase(name: str):

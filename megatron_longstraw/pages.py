@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_longstraw.memory import note_host
+
 __all__ = ["PageStore"]
 
 
@@ -113,6 +115,12 @@ class PageStore:
             return self.storage_dtype
         return dtype
 
+    def _host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new buffer of the store (named host storage for the live-bytes meter when the store
+        is in host memory: `memory.note_host`)."""
+        out = torch.empty(shape, dtype=dtype, device=self.storage_device, pin_memory=self.pin_memory)
+        return note_host(out) if self.storage_device.type == "cpu" else out
+
     def _register(self, layer_idx: int, kind: str, sequence: bool) -> None:
         other = self._fixed if sequence else self._seq
         if kind in other.get(layer_idx, {}):
@@ -156,10 +164,7 @@ class PageStore:
         P, n, i = self.page_tokens, rows.shape[0], 0
         while i < n:
             if entry.num_tokens == len(entry.pages) * P:
-                entry.pages.append(
-                    torch.empty((P, *row_shape), dtype=entry.dtype, device=self.storage_device,
-                                pin_memory=self.pin_memory)
-                )
+                entry.pages.append(self._host_empty((P, *row_shape), entry.dtype))
             off = entry.num_tokens - (len(entry.pages) - 1) * P
             take = min(P - off, n - i)
             entry.pages[-1][off : off + take].copy_(rows[i : i + take], non_blocking=self.pin_memory)
@@ -172,10 +177,7 @@ class PageStore:
         """Store a fixed-size (not sequence-indexed) state, replacing any previous one."""
         self._register(layer_idx, kind, sequence=False)
         tensor = tensor.detach()
-        host = torch.empty(
-            tensor.shape, dtype=self._target_dtype(tensor.dtype), device=self.storage_device,
-            pin_memory=self.pin_memory,
-        )
+        host = self._host_empty(tensor.shape, self._target_dtype(tensor.dtype))
         host.copy_(tensor, non_blocking=self.pin_memory)
         self._note_async_d2h(tensor)
         self._fixed.setdefault(layer_idx, {})[kind] = host
@@ -302,6 +304,51 @@ class PageStore:
             return e.pages[0][:n]
         return torch.cat([*e.pages[: used - 1], e.pages[used - 1][: n - (used - 1) * P]])
 
+    def window(self, layer_idx: int, kind: str, start: int, end: int,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows [start, end) of a sequence kind on `device` (default: the storage device; there,
+        a view when they lie in one page): one key window, never the whole layer."""
+        device = self.storage_device if device is None else torch.device(device)
+        self.synchronize()
+        e = self._entry(layer_idx, kind)
+        if not isinstance(e, _SeqEntry):
+            raise ValueError(f"layer {layer_idx} kind {kind!r} is fixed-size, not sequence-indexed")
+        if not 0 <= start <= end <= e.num_tokens:
+            raise IndexError(f"layer {layer_idx} kind {kind!r}: rows [{start}, {end}) outside the "
+                             f"{e.num_tokens} written")
+        P = self.page_tokens
+        parts = []
+        row = start
+        while row < end:
+            page, off = divmod(row, P)
+            take = min(P - off, end - row)
+            parts.append(e.pages[page][off:off + take])
+            row += take
+        if not parts:
+            return torch.empty((0, *e.row_shape), dtype=e.dtype, device=device)
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return rows.to(device, non_blocking=self.pin_memory)
+
+    def gather(self, layer_idx: int, kind: str, index: torch.Tensor,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows `index` (1-D, any order, < the rows written) of a sequence kind on `device`
+        (default: the storage device): a sparse selection's rows, never the whole layer."""
+        device = self.storage_device if device is None else torch.device(device)
+        self.synchronize()
+        e = self._entry(layer_idx, kind)
+        if not isinstance(e, _SeqEntry):
+            raise ValueError(f"layer {layer_idx} kind {kind!r} is fixed-size, not sequence-indexed")
+        index = index.to(self.storage_device, torch.long)
+        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < e.num_tokens:
+            raise IndexError(f"layer {layer_idx} kind {kind!r}: rows {int(index.min())}.."
+                             f"{int(index.max())} outside the {e.num_tokens} written")
+        out = torch.empty((index.numel(), *e.row_shape), dtype=e.dtype, device=self.storage_device)
+        page_of = torch.div(index, self.page_tokens, rounding_mode="floor")
+        for page in page_of.unique().tolist():
+            here = (page_of == page).nonzero()[:, 0]
+            out[here] = e.pages[page].index_select(0, index[here] - page * self.page_tokens)
+        return out.to(device, non_blocking=self.pin_memory)
+
     def prefetch(self, layer_idx: int, device: torch.device | str) -> None:
         """Start copying all kinds of a layer to ``device`` (CUDA: side stream + event; CPU: no-op)."""
         device = torch.device(device)
@@ -356,7 +403,7 @@ class PageStore:
             e = self._entry(layer, kind)
             shape = (e.num_tokens, *e.row_shape) if isinstance(e, _SeqEntry) else e.shape
             dtype = torch.promote_types(e.dtype, torch.float32)
-            self._grads[(layer, kind)] = torch.zeros(shape, dtype=dtype, device=self.storage_device)
+            self._grads[(layer, kind)] = self._host_empty(shape, dtype).zero_()
 
     def has_grad(self, layer_idx: int, kind: str) -> bool:
         return (layer_idx, kind) in self._grads

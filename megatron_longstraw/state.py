@@ -9,7 +9,13 @@ forward from position 0, so the model is still an ordinary Megatron model.
 
 Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
-- `capture`: the current tokens are the prompt; their state is written to `pages` (no autograd).
+- `capture`: the current tokens are the prompt (this rank's whole shard); their state is written
+             to `pages` (no autograd). Under context parallelism.
+- `capture_block`: streamed capture on one process (capture.py): the current tokens are one token
+             block of the prompt, rows [block_start, block_start + s); earlier blocks' state is in
+             `pages` already: attention reads its key rows window by window from the pages, GDN
+             continues from the state stored there; the block's own state is appended (no
+             autograd). Nothing on the device is of the prompt's size.
 - `score`:   the current tokens are one response, keys the prompt pages plus the current tokens,
              without autograd (pre-step scoring: logp_old, logp_ref, the DSA selections replay
              reuses).
@@ -40,7 +46,8 @@ import torch
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 
-Mode = Literal["full", "capture", "score", "replay", "prompt_backward", "prompt_rows", "decode"]
+Mode = Literal["full", "capture", "capture_block", "score", "replay", "prompt_backward",
+               "prompt_rows", "decode"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
 
@@ -99,7 +106,9 @@ class AttentionPass:
     """Number of captured prompt tokens that precede the current tokens (replay: P)."""
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
     """DSA top-k per decoder layer: `[s, k]` int64 indices into `[prefix; current]` keys.
-    Filled by the layers that compute a selection; IndexShare layers read their source layer's."""
+    Filled by the layers that compute a selection; IndexShare layers read their source layer's.
+    `capture_block`: global key positions `[rows, k]` int32 in the pages' storage, of the latest
+    full indexer layer only (what IndexShare reads), filled block by block."""
     reuse_selections: bool = False
     """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
     prompt_state_grad: bool = False
@@ -127,6 +136,8 @@ class AttentionPass:
     """Keys per indexer-score block (bounds the `[block_q, h_i, block_k]` scores)."""
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+    block_start: int = 0
+    """`capture_block`: this block's first row among this rank's captured rows (its pages)."""
     cp: CPPass = field(default_factory=CPPass)
     """Context-parallel part (size 1: everything on this process); frozen."""
 

@@ -128,18 +128,30 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     visible; scores [s, k]) with k = min(topk, t). The selected set is the top k by score with ties
     broken toward the lower key index, whatever the block size.
     """
-    num_queries, num_keys = q.shape[0], keys.shape[0]
-    k = min(topk, num_keys)
+    return indexer_topk_windows(q, weights, lambda start, end: (keys[start:end],
+                                                                key_positions[start:end]),
+                                keys.shape[0], query_positions, min(topk, keys.shape[0]), scale,
+                                relu, key_block)
+
+
+def indexer_topk_windows(q: torch.Tensor, weights: torch.Tensor, read, num_keys: int,
+                         query_positions: torch.Tensor, k: int, scale: float, relu: bool,
+                         key_block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """`indexer_topk` over keys that `read(start, end)` -> (keys [t, d_i], their positions [t])
+    hands over one key window at a time (e.g. from the pages: streamed capture), `num_keys` in
+    all; exactly `k` columns (padded with -1 / -inf). The same windows, so the same selection, as
+    over keys held in one tensor."""
+    num_queries = q.shape[0]
     acc = torch.promote_types(q.dtype, torch.float32)
     best_scores = torch.empty(num_queries, 0, dtype=acc, device=q.device)
     best_idx = torch.empty(num_queries, 0, dtype=torch.long, device=q.device)
     last_query = int(query_positions.max()) if num_queries else -1
     for start in range(0, num_keys, key_block):
         end = min(start + key_block, num_keys)
-        block_pos = key_positions[start:end]
+        keys, block_pos = read(start, end)
         if int(block_pos.min()) > last_query:
             continue  # entirely in the future of every query
-        scores = indexer_scores(q, weights, keys[start:end], scale, relu)
+        scores = indexer_scores(q, weights, keys, scale, relu)
         scores.masked_fill_(block_pos[None, :] > query_positions[:, None], float("-inf"))
         idx = torch.arange(start, end, device=q.device).expand(num_queries, -1)
         if end - start > k:

@@ -78,6 +78,30 @@ class PageKeys:
         return refs._visible_key_blocks(q_pos, self.positions, key_block)
 
 
+@dataclass
+class PageWindows:
+    """A dense attention part read from a layer's pages one key window at a time (streamed
+    capture): key rows [0, num_keys) at positions 0..num_keys - 1 (one process), `read(start,
+    end)` -> (keys [t, g, d], values [t, g, d_v]) on the compute device. Attended by
+    `refs.streamed_attention` (no gradient): one window of keys on the device at a time, and the
+    same windows, so the same result, as over the rows held in one tensor."""
+
+    read: Callable
+    num_keys: int
+    groups: int
+    value_dim: int
+    key_grads: Callable | None = None
+
+    def __call__(self, start: int, end: int):
+        keys, values = self.read(start, end)
+        return keys, values, torch.arange(start, end, device=keys.device)
+
+    def blocks(self, q_pos: torch.Tensor, key_block: int):
+        last = int(q_pos.max())
+        for start in range(0, min(self.num_keys, last + 1), key_block):
+            yield start, min(start + key_block, self.num_keys)
+
+
 def prompt_key_positions(prefix_len: int, device) -> torch.Tensor:
     """Key positions of the captured prompt's rows for a branch pass's causal mask: every prompt
     key precedes every branch query, so one position (0) stands for all of them, expanded to
@@ -151,11 +175,13 @@ def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torc
 def blockwise(q: torch.Tensor, parts: Sequence, q_pos: torch.Tensor, scale: float,
               key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel selector's `blockwise_attention` of queries [s, heads, d] over key parts
-    (keys [t_i, groups, d], values [t_i, groups, d_v], key positions [t_i]; or a `PageKeys`),
+    (keys [t_i, groups, d], values [t_i, groups, d_v], key positions [t_i]; or a `PageKeys`, or
+    a `PageWindows`),
     causal by position. -> (out [s, heads, d_v], lse [s, heads])"""
     outs, lses = [], []
     for part in parts:
-        if isinstance(part, PageKeys) and part.key_grads is not None:
+        if isinstance(part, PageWindows) or (isinstance(part, PageKeys)
+                                             and part.key_grads is not None):
             out, lse = refs.streamed_attention(q, part, q_pos, scale, key_block)
         else:
             keys, values, key_pos = ((part.keys, part.values, part.positions)

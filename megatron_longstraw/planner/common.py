@@ -154,6 +154,30 @@ def prompt_backward_inputs_bytes(cfg, rows: int, act_bytes: float, prompt_len: i
     return total
 
 
+def streamed_capture_host(cfg, n: int, b: float, selection_width: int = 0) -> list[Item]:
+    """Streamed capture's host buffers beside the pages (capture.py, one process): the residual
+    stream [P, h] and, for DSA, the latest full indexer layer's selection [P, k] int32 (what
+    IndexShare reads). Freed when capture returns; their peak is capture's last layer, with the
+    pages nearly whole, so they count with the pages. Checked on CPU (tests/test_planner.py:
+    the live-bytes meter's host peak of a capture is the pages plus these, exactly)."""
+    items = [Item("capture residual stream [P, h] (host; streamed capture)", n * cfg.hidden_size * b,
+                  measured=True)]
+    if selection_width:
+        items.append(Item("capture selection [P, topk] int32, latest full indexer layer (host)",
+                          n * selection_width * 4, measured=True))
+    return items
+
+
+def streamed_capture_device(cfg, n: int, tb: int, b: float) -> list[Item]:
+    """What every streamed capture layer holds on the device besides its own scratch: the one
+    prompt-sized table, the captured rows' positions [P] int64 (checked on CPU: the device peak
+    grows by exactly this from P to 4P), and one token block's input, normed input and output."""
+    return [Item("capture positions [P] int64 (the only prompt-sized device tensor)", 8 * n,
+                 measured=True),
+            Item("capture token block [token_block, h] x3 (input, normed input, output)",
+                 3 * tb * cfg.hidden_size * b)]
+
+
 def local_prompt_rows(prompt_len: int, cp: int) -> int:
     """Captured rows on the busiest rank: the prefix `prompt[:-1]` in Megatron's load-balanced
     2*CP-chunk order (parallel.CPLayout.prompt_positions)."""

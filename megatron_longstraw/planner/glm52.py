@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved, outside_layers_saved,
-    rank_rows, rms_norm_saved,
+    rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.planner.mla import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -22,8 +22,10 @@ def glm52_params(cfg) -> list[ParamGroup]:
     h, di, hi = cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads
     # DSAIndexer: linear_wq_b, linear_wk, k_norm (LayerNorm: weight + bias), linear_weights_proj
     indexer = cfg.q_lora_rank * hi * di + h * di + 2 * di + h * hi
+    # FP8 checkpoints (family.FP8_LINEARS): linear_wq_b and linear_wk; weights_proj stays bf16
+    fp8 = [(cfg.q_lora_rank, hi * di, 1), (h, di, 1)] * cfg.num_full_indexer_layers()
     return mla_moe_params(cfg, [ParamGroup("DSA indexer", cfg.num_full_indexer_layers() * indexer,
-                                           kind="indexer")])
+                                           kind="indexer", fp8_shapes=fp8)])
 
 
 def glm52_pages(cfg, latent_bytes: float, index_key_bytes: float) -> list[PageKind]:
@@ -111,28 +113,44 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     indexer_block = lambda queries: (queries * hi * spec.key_block * acc + queries * spec.key_block * acc
                                      + 2 * queries * (topk + min(topk, spec.key_block)) * (acc + 8))
 
-    # Capture (capture.py; attention.py `_attend_local_keys`; common.run_group), one layer at a time.
-    # Attention layers and MoE layers peak separately ("one of" groups: the largest counts).
+    # Capture (capture.py; attention.py; common.run_group), one layer at a time. Attention layers
+    # and MoE layers peak separately ("one of" groups: the largest counts).
     qb = min(spec.query_block, max(n, 1))
-    gathered = 0.0
-    if cp > 1:  # parallel.gather_sequence: the whole prompt's keys on every rank, plus its buffers
+    tb = min(spec.token_block, max(n, 1))
+    sparse_block = Item("sparse attention block [query_block, topk, latent] + logits",
+                        qb * topk * d_qk * b + qb * H * topk * (b + 3 * acc), group="block")
+    indexer = Item("indexer scores block [query_block, index_heads, key_block] fp32",
+                   indexer_block(qb), group="block")
+    capture_host = []
+    if cp == 1:   # streamed: one token block at a time, keys read from the pages by windows
+        capture_attention = streamed_capture_device(cfg, n, tb, b) + [
+            Item("capture own rows of one token block [token_block, latent + index]",
+                 tb * (d_qk + di) * b),
+            Item("capture attention output of one token block [token_block, heads*v] x2 (block "
+                 "list + cat)", 2 * tb * H * cfg.v_head_dim * b),
+            Item("index-key window [key_block, index] (read from the pages)",
+                 spec.key_block * di * b),
+            indexer, sparse_block,
+        ]
+        capture_moe = capture_moe_items(cfg, spec, n, streamed=True)
+        capture_host = streamed_capture_host(cfg, n, b, min(topk, total))
+    else:
+        # parallel.gather_sequence: the whole prompt's keys on every rank, plus its buffers
         gathered = max(2 * total * d_qk * b, total * d_qk * b + 2 * total * di * b) + 8 * total
-    capture_attention = [
-        Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)", 2 * n * h * b),
-        Item("capture selection [P/CP, topk] int64 x2 (kept for IndexShare; grows by cat)",
-             2 * n * min(topk, total) * 8),
-        Item("gathered prompt keys [P, latent + index] (CP all-gather)", gathered),
-        Item("capture own rows [P/CP, latent + index]", n * (d_qk + di) * b),
-        Item("capture attention output [P/CP, heads*v] x2 (block list + cat)",
-             2 * n * H * cfg.v_head_dim * b),
-        Item("indexer scores block [query_block, index_heads, key_block] fp32", indexer_block(qb),
-             group="block"),
-        Item("sparse attention block [query_block, topk, latent] + logits",
-             qb * topk * d_qk * b + qb * H * topk * (b + 3 * acc), group="block"),
-    ]
-    capture_moe = capture_moe_items(cfg, spec, n, [
-        Item("capture selection [P/CP, topk] int64 (latest full indexer layer)",
-             n * min(topk, total) * 8)])
+        capture_attention = [
+            Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)",
+                 2 * n * h * b),
+            Item("capture selection [P/CP, topk] int64 x2 (kept for IndexShare; grows by cat)",
+                 2 * n * min(topk, total) * 8),
+            Item("gathered prompt keys [P, latent + index] (CP all-gather)", gathered),
+            Item("capture own rows [P/CP, latent + index]", n * (d_qk + di) * b),
+            Item("capture attention output [P/CP, heads*v] x2 (block list + cat)",
+                 2 * n * H * cfg.v_head_dim * b),
+            indexer, sparse_block,
+        ]
+        capture_moe = capture_moe_items(cfg, spec, n, [
+            Item("capture selection [P/CP, topk] int64 (latest full indexer layer)",
+                 n * min(topk, total) * 8)])
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents, the CP path builds a global
     # position lookup.
@@ -141,8 +159,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
               Item("global position lookup [P + R] int64 (CP path)",
                    8 * (total + r_pad) if cp > 1 else 0)]
     # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
-    host = [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
-                 spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4)]
+    host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
+                                spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4)]
     scoring = common + [
         Item("indexer scores [query_block, index_heads, key_block] fp32",
              indexer_block(min(spec.query_block, r_pad)), group="step"),

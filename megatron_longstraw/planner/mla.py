@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_longstraw.planner.common import Item, ParamGroup, PlanSpec, rms_norm_saved
+from megatron_longstraw.planner.common import (
+    Item, ParamGroup, PlanSpec, rms_norm_saved, streamed_capture_device,
+)
 
 CP_REPLAY_NOTE = ("CP replay gathers all R_pad branch queries on every rank and merges the "
                   "partial outputs [R_pad, heads, kv_lora_rank] by log-sum-exp with a "
@@ -26,22 +28,28 @@ def mla_moe_params(cfg, after_attention: Sequence[ParamGroup] = ()) -> list[Para
     attention = h + qr + kvr + sum(i * o for i, o in proj)
     dense, moe = cfg.first_k_dense_replace, L - cfg.first_k_dense_replace
     mlp = lambda ffn: [(h, 2 * ffn), (ffn, h)]         # linear_fc1 (gated), linear_fc2
+    # FP8 (Family.fp8_linears): the same linears; linear_fc1's gate and up in their own blocks
+    fp8_mlp = lambda ffn: [(h, 2 * ffn, 2), (ffn, h, 1)]
+    fp8_proj = [(i, o, 1) for i, o in proj]
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
     return [
         ParamGroup("embedding", V * h, kind="embedding"),
         ParamGroup("output_layer + final_norm", V * (0 if cfg.tie_word_embeddings else h) + h,
                    kind="head"),
-        ParamGroup("attention (MLA)", L * attention, kind="attention", lora_shapes=proj * L),
+        ParamGroup("attention (MLA)", L * attention, kind="attention", lora_shapes=proj * L,
+                   fp8_shapes=fp8_proj * L),
         *after_attention,
         # pre_mlp_layernorm, linear_fc1 (gated: 2 x ffn), linear_fc2
         ParamGroup("dense MLP", dense * (h + 3 * h * cfg.intermediate_size), kind="mlp",
-                   lora_shapes=mlp(cfg.intermediate_size) * dense),
+                   lora_shapes=mlp(cfg.intermediate_size) * dense,
+                   fp8_shapes=fp8_mlp(cfg.intermediate_size) * dense),
         ParamGroup("MoE router + shared expert + norm",
                    moe * (h + cfg.n_routed_experts * h + 3 * h * shared), kind="mlp",
-                   lora_shapes=mlp(shared) * moe),
+                   lora_shapes=mlp(shared) * moe, fp8_shapes=fp8_mlp(shared) * moe),
         ParamGroup("routed experts", moe * cfg.n_routed_experts * 3 * h * cfg.moe_intermediate_size,
                    expert=True, kind="experts",
-                   lora_shapes=mlp(cfg.moe_intermediate_size) * moe * cfg.n_routed_experts),
+                   lora_shapes=mlp(cfg.moe_intermediate_size) * moe * cfg.n_routed_experts,
+                   fp8_shapes=fp8_mlp(cfg.moe_intermediate_size) * moe * cfg.n_routed_experts),
     ]
 
 
@@ -88,15 +96,24 @@ def ffn_saved(cfg, c: int, b: float, router_bytes: float,
 # ---- phase items --------------------------------------------------------------------------------
 
 
-def capture_moe_items(cfg, spec: PlanSpec, n: int, kept: Sequence[Item] = ()) -> list[Item]:
+def capture_moe_items(cfg, spec: PlanSpec, n: int, kept: Sequence[Item] = (),
+                      streamed: bool = False) -> list[Item]:
     """A capture MoE layer over this rank's n prompt rows (common.run_group: equal token chunks
     of at most token_block): the residual stream, `kept` (what the family's attention keeps
-    alive), one chunk's dispatch buffers."""
+    alive), one chunk's dispatch buffers. `streamed` (capture.py, one process): the layer sees one
+    token block at a time; the positions table is the only prompt-sized device tensor."""
     h, b = cfg.hidden_size, spec.act_bytes
-    chunk = -(-n // max(1, -(-n // spec.token_block))) if n else 0
+    if streamed:
+        tb = min(spec.token_block, max(n, 1))
+        chunk = tb if n else 0
+        activations = streamed_capture_device(cfg, n, tb, b)
+    else:
+        chunk = -(-n // max(1, -(-n // spec.token_block))) if n else 0
+        activations = [Item("capture residual stream [P/CP, h] x3 (layer input, chunk outputs, cat)",
+                            3 * n * h * b)]
     routed = chunk * cfg.num_experts_per_tok * spec.moe_imbalance
     return [
-        Item("capture residual stream [P/CP, h] x3 (layer input, chunk outputs, cat)", 3 * n * h * b),
+        *activations,
         *kept,
         Item("MoE dispatch buffers (one token chunk: permuted, received, expert in/out)",
              routed * (4 * h * b + 3 * cfg.moe_intermediate_size * b)),

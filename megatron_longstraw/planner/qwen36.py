@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
-    rank_rows,
+    rank_rows, streamed_capture_device, streamed_capture_host,
 )
 
 
@@ -257,22 +257,24 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                                 + 3 * tokens * cfg.conv_dim() // cp * b  # conv input, output, silu
                                 + 3 * tokens * hv * dv * acc     # gated norm
                                 + fla_block(tokens))
-    residual = Item("capture residual stream [P/CP, h] x3 (layer input, block outputs, cat)",
-                    3 * n * h * b)
-    if cp == 1:
-        capture_attention = [
-            residual,
-            Item("capture K/V buffers [P, groups, d] x2 (attention.py _causal_in_order)",
-                 2 * n * G * d * b),
+    residual = [Item("capture residual stream [P/CP, h] x3 (layer input, block outputs, cat)",
+                     3 * n * h * b)]
+    capture_host = []
+    if cp == 1:   # streamed: one token block at a time, K/V read from the pages by windows
+        block = streamed_capture_device(cfg, n, tb, b)
+        residual = block
+        capture_attention = block + [
             Item("capture projections of one token block (q, gate [tb, heads, d], k, v)",
                  tb * (2 * H + 2 * G) * d * b),
+            Item("K/V window [key_block, groups, d] x2 (read from the pages)", 2 * kb * G * d * b),
             Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
         ]
-        capture_gdn = [residual, Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
-                                      "chunk kernel incl. per-chunk states)", gdn_block(tb))]
+        capture_gdn = block + [Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
+                                    "chunk kernel incl. per-chunk states) + the carried state "
+                                    "read from the pages", gdn_block(tb) + fixed)]
+        capture_host = streamed_capture_host(cfg, n, b)
     else:
-        capture_attention = [
-            residual,
+        capture_attention = residual + [
             Item("capture q, gate [P/CP, heads, d] and k, v [P/CP, groups, d] (whole shard)",
                  n * (2 * H + 2 * G) * d * b),
             Item("broadcast K/V shard [P/CP, groups, d] x2 + positions", n * (2 * G * d * b + 8)),
@@ -280,8 +282,7 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                  + 4 * n * H * acc),
             Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
         ]
-        capture_gdn = [
-            residual,
+        capture_gdn = residual + [
             Item("GDN in_proj output, head-parallel [P, in_proj_dim / CP] (all-to-all)",
                  total * in_proj // cp * b),
             Item("GDN mixed output [P, H_v / CP * d_v] (block list + cat + exchange back)",
@@ -289,8 +290,8 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
             Item("GDN token block scratch (conv, gated norm, FLA chunk kernel incl. per-chunk "
                  "states)", gdn_block(tb) - tb * in_proj // cp * b),
         ]
-    capture_mlp = [residual, Item("MLP token chunk [token_block, 3 x ffn] + zero-centred norm fp32",
-                                  tb * (3 * ffn * b + 2 * h * acc))]
+    capture_mlp = residual + [Item("MLP token chunk [token_block, 3 x ffn] + zero-centred norm "
+                                   "fp32", tb * (3 * ffn * b + 2 * h * acc))]
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs, so one
     # attention layer's K/V and one GDN layer's state are on the device at once.
     window = Item("streamed page window (one attention layer's K/V + one GDN layer's state)",
@@ -333,4 +334,4 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                      phases={"capture (attention layer)": capture_attention,
                              "capture (GDN layer)": capture_gdn, "capture (MLP)": capture_mlp,
                              "scoring": scoring, "replay": replay},
-                     replay_saved=saved, notes=notes)
+                     replay_saved=saved, notes=notes, host=capture_host)

@@ -89,6 +89,21 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         """The prompt (this rank's shard): its latent rows become pages."""
         return self._causal_in_order(x, state, write_pages=True)
 
+    def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt (streamed capture, one process): its latent rows are
+        appended to the pages, and its queries attend over the pages' rows so far, read one key
+        window at a time (`partials.PageWindows`, MQA: keys the rows, values their c_kv part)."""
+        latents = self._latent_rows(x, state.positions)
+        self.write_rows(state, LATENT, latents)
+        device, dtype, pages, rank = x.device, latents.dtype, state.pages, self.config.kv_lora_rank
+
+        def read(start, end):
+            rows = pages.window(self.layer_idx, LATENT, start, end, device).to(dtype)
+            return rows[:, None, :], rows[:, None, :rank]
+
+        part = partials.PageWindows(read, state.block_start + x.shape[0], 1, rank)
+        return self._project_out(self._attend(x, state.positions, [part], state))
+
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
         """One branch over the captured pages plus its own rows, two parts of keys
         (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
@@ -225,7 +240,7 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
         key positions [t_i]) as MQA (one K/V group: keys the whole rows, values their c_kv part),
         per query block. -> (out_latent [s, heads, kv_lora_rank], lse [s, heads])."""
         rank = self.config.kv_lora_rank
-        mqa = [part if isinstance(part, partials.PageKeys) else
+        mqa = [part if isinstance(part, (partials.PageKeys, partials.PageWindows)) else
                (part[0][:, None, :], part[0][:, None, :rank], part[1]) for part in key_parts]
         parts = [partials.blockwise(query[start:start + state.query_block], mqa,
                                     query_positions[start:start + state.query_block],

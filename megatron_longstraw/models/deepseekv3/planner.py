@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
-    outside_layers_saved, rank_rows, rms_norm_saved,
+    outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.planner.mla import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -73,20 +73,36 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     saved = deepseekv3_replay_saved(cfg, rows, cp, total, b, acc=acc)
     scores = lambda queries: 3 * queries * H * spec.key_block * acc  # one key block's scores/probs
 
-    # Capture (attention.py `_causal_in_order` / `_capture_context_parallel`), one layer at a time.
+    # Capture (capture.py; attention.py), one layer at a time.
     qb = min(spec.query_block, max(n, 1))
-    shard = local_prompt_rows(prompt_len, cp) if cp > 1 else 0
-    capture_attention = [
-        Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)", 2 * n * h * b),
-        Item("capture latent rows [P/CP, latent] (buffer / the local shard)", n * d_qk * b),
-        Item("ring attention: one broadcast shard of latent rows + positions (CP)",
-             shard * (d_qk * b + 8)),
-        Item("capture attention output [P/CP, heads*v] x2 (running + partial, or block list)",
-             2 * n * H * v * b if cp > 1 else 2 * min(n, spec.token_block) * H * v * b),
-        Item("dense attention block: absorbed queries + [query_block, heads, key_block] scores",
-             qb * H * d_qk * b + scores(qb), group="block"),
-    ]
-    capture_moe = capture_moe_items(cfg, spec, n)
+    tb = min(spec.token_block, max(n, 1))
+    dense_block = Item("dense attention block: absorbed queries + [query_block, heads, key_block] "
+                       "scores", qb * H * d_qk * b + scores(qb), group="block")
+    capture_host = []
+    if cp == 1:   # streamed: one token block at a time, latent rows read from the pages by windows
+        capture_attention = streamed_capture_device(cfg, n, tb, b) + [
+            Item("capture latent rows of one token block [token_block, latent]", tb * d_qk * b),
+            Item("latent window [key_block, latent] (read from the pages)",
+                 spec.key_block * d_qk * b),
+            Item("capture attention output of one token block [token_block, heads*v] x2 (block "
+                 "list + cat)", 2 * tb * H * v * b),
+            dense_block,
+        ]
+        capture_moe = capture_moe_items(cfg, spec, n, streamed=True)
+        capture_host = streamed_capture_host(cfg, n, b)
+    else:
+        shard = local_prompt_rows(prompt_len, cp)
+        capture_attention = [
+            Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)",
+                 2 * n * h * b),
+            Item("capture latent rows [P/CP, latent] (the local shard)", n * d_qk * b),
+            Item("ring attention: one broadcast shard of latent rows + positions (CP)",
+                 shard * (d_qk * b + 8)),
+            Item("capture attention output [P/CP, heads*v] x2 (running + partial)",
+                 2 * n * H * v * b),
+            dense_block,
+        ]
+        capture_moe = capture_moe_items(cfg, spec, n)
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents.
     common = [Item("streamed page window (2 layers' local pages + latent cat copy)",
@@ -114,4 +130,4 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                      phases={"capture (attention layer)": capture_attention,
                              "capture (MoE layer)": capture_moe,
                              "scoring": scoring, "replay": replay},
-                     replay_saved=saved, notes=notes)
+                     replay_saved=saved, notes=notes, host=capture_host)

@@ -23,7 +23,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_longstraw import parallel
-from megatron_longstraw.kernels import select
+from megatron_longstraw.kernels import refs, select
+from megatron_longstraw.memory import note_host
 from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.glm52.config import has_own_indexer
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
@@ -91,6 +92,60 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             if index_keys is not None:
                 index_keys, _ = context_parallel.gather_prompt_keys(index_keys, state)
         return self._project_out(self._attend(x, state, [latents], index_keys, positions))
+
+    def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt (streamed capture, one process): its rows are appended to
+        the pages; per query block, the top-k is scored over the index-key pages one key window at
+        a time (running top-k), and only the selected latent rows are read back from the pages
+        (`partials.PageRows` over them). Device memory: a block's rows, a window, a query block's
+        selected rows; never the layer's pages."""
+        latents, index_keys = self._token_rows(x, state)
+        self.write_rows(state, LATENT, latents)
+        if index_keys is not None:
+            self.write_rows(state, INDEX_KEY, index_keys)
+        num_keys = state.block_start + x.shape[0]
+        k = min(self.config.dsa_indexer_topk, state.cp.global_len)
+        outputs = []
+        for start in range(0, x.shape[0], state.query_block):
+            end = min(start + state.query_block, x.shape[0])
+            positions = state.positions[start:end]
+            q_compressed, query = self._queries(x[start:end], positions)
+            selection = self._selection(x[start:end], q_compressed, state, start, end,
+                                        lambda q_index, w: self._topk_pages(
+                                            q_index, w, state, num_keys, positions, k))
+            rows, local = self._selected_page_rows(state, selection, x.device, latents.dtype)
+            out_latent, _ = partials.sparse_mla(query, [rows], local, self.softmax_scale,
+                                                self.config.kv_lora_rank)
+            outputs.append(self._up_project_values(out_latent))
+        return self._project_out(torch.cat(outputs))
+
+    def _topk_pages(self, q_index, weights, state: AttentionPass, num_keys: int,
+                    query_positions, k: int) -> torch.Tensor:
+        """Top-k over this layer's index-key pages [0, num_keys), one key window at a time ->
+        [s, k] global positions (one process: row = position)."""
+        cfg = self.config
+
+        def read(start, end):
+            keys = state.pages.window(self.layer_idx, INDEX_KEY, start, end, q_index.device)
+            return keys, torch.arange(start, end, device=q_index.device)
+
+        idx, _ = refs.indexer_topk_windows(q_index, weights, read, num_keys, query_positions, k,
+                                           scale=cfg.dsa_indexer_head_dim ** -0.5,
+                                           relu=cfg.dsa_indexer_scoring_relu,
+                                           key_block=state.key_block)
+        return idx
+
+    def _selected_page_rows(self, state: AttentionPass, selection: torch.Tensor, device, dtype):
+        """The latent rows a selection [s, k] (global positions, -1 = none) reads, gathered from
+        the pages -> (rows [u, d_qk], indices [s, k] into them)."""
+        valid = selection >= 0
+        used = selection[valid].unique()
+        if used.numel() == 0:
+            used = selection.new_zeros(1)
+        local = torch.full_like(selection, -1)
+        local[valid] = torch.searchsorted(used, selection[valid])
+        rows = state.pages.gather(self.layer_idx, LATENT, used, device).to(dtype)
+        return rows, local
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt under autograd (one process): its queries attend over
@@ -361,6 +416,19 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                                                         float("-inf"))], dim=1)
         return scores, torch.where(idx >= 0, key_positions[idx.clamp(min=0)], -1)
 
+    def _keep_block_selection(self, state: AttentionPass, selection: torch.Tensor,
+                              row: int) -> None:
+        """Streamed capture: this layer's selection of rows [row, row + s) into its buffer of all
+        captured rows (int32 global positions, in the pages' storage); the first block of a full
+        indexer layer drops the previous one's (IndexShare reads only the latest)."""
+        buffer = state.selections.get(self.layer_idx)
+        if buffer is None:
+            state.selections.clear()
+            buffer = note_host(torch.empty((state.cp.global_len, selection.shape[1]),
+                                           dtype=torch.int32, device=state.pages.storage_device))
+            state.selections[self.layer_idx] = buffer
+        buffer[row:row + selection.shape[0]] = selection.to(buffer.device, torch.int32)
+
     def _selection(self, x, q_compressed, state: AttentionPass, start, end, compute,
                    gathered: bool = False) -> torch.Tensor:
         """Top-k key positions [end - start, k] for query rows [start, end): computed by
@@ -369,21 +437,25 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         positions, so they mean the same thing on every rank and in every layout."""
         core: DSAIndexHolder = self.core_attention
         selections = state.selections
+        offset = state.block_start if state.mode == "capture_block" else 0
         if core.indexer is None or state.reuse_selections:
             source = core.topk_source if core.indexer is None else core.layer_idx
             if source not in selections:
                 raise RuntimeError(f"DSA layer {core.layer_idx} needs the top-k of layer {source}, "
                                    "which this pass has not computed (IndexShare order or "
                                    "indexer replay without a scoring pass).")
-            selection = selections[source][start:end].to(x.device, torch.long)  # may be compact
+            selection = selections[source][offset + start:offset + end].to(x.device, torch.long)
         else:
             with torch.no_grad():  # the indexer is not trained by the policy loss
                 rows = state.positions if gathered else state.positions[start:end]
                 q_index, weights = self._index_queries(x, q_compressed, rows)
                 selection = compute(q_index, weights)
-            previous = selections.get(core.layer_idx)
-            selections[core.layer_idx] = (selection if start == 0 or previous is None
-                                          else torch.cat([previous, selection]))
+            if state.mode == "capture_block":
+                self._keep_block_selection(state, selection, offset + start)
+            else:
+                previous = selections.get(core.layer_idx)
+                selections[core.layer_idx] = (selection if start == 0 or previous is None
+                                              else torch.cat([previous, selection]))
         if state.used_selections is not None:
             used = state.used_selections.get(core.layer_idx)
             state.used_selections[core.layer_idx] = (

@@ -65,6 +65,20 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         return self._causal_in_order(x, state, write_pages=True)
 
+    def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt (streamed capture, one process): its K/V rows are
+        appended to the pages, and its queries attend over the pages' rows so far, read one key
+        window at a time (`partials.PageWindows`)."""
+        q, k, v, gate = self._project(x, state.positions)
+        self.write_rows(state, KEY, k)
+        self.write_rows(state, VALUE, v)
+        device, dtype, pages = x.device, k.dtype, state.pages
+        part = partials.PageWindows(
+            lambda start, end: (pages.window(self.layer_idx, KEY, start, end, device).to(dtype),
+                                pages.window(self.layer_idx, VALUE, start, end, device).to(dtype)),
+            state.block_start + x.shape[0], k.shape[1], v.shape[-1])
+        return self.linear_proj(self._gate(self._attend(q, [part], state.positions, state), gate))
+
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt under autograd (one process): its queries attend over
         the layer's K/V pages (`_page_keys`, streamed: each key window's cotangents go to the

@@ -44,6 +44,7 @@ from megatron.core.ssm.gated_delta_net.common import (
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
 from megatron_longstraw.parallel import HeadParallel
+from megatron_longstraw.memory import note_host
 from megatron_longstraw.state import AttentionPass
 
 GDN_STATE = "gdn_state"  # fixed page kind: recurrent state [H_v, d_k, d_v] after the prefix
@@ -66,6 +67,32 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
 
     def forward_capture(self, x: torch.Tensor, state: AttentionPass):
         return self._capture(x, state, self._exchange(x, state)), None
+
+    def _keep_boundary(self, state: AttentionPass, conv_tail, recurrent) -> None:
+        """The exact gradient: the carried state at a token block's start, in the pages' storage
+        (host memory), for the prompt backward to restart the block from."""
+        def keep(tensor):
+            return None if tensor is None else note_host(
+                tensor.to(state.pages.storage_device, copy=True))
+
+        state.boundaries.setdefault(self.layer_idx, []).append(
+            {CONV_TAIL: keep(conv_tail), GDN_STATE: keep(recurrent)})
+
+    def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
+        """One token block of the prompt (streamed capture, one process), continuing from the
+        (conv tail, state) the previous block stored in the pages (zeros at the first block);
+        the block's end state replaces them there."""
+        if state.block_start == 0:
+            conv_tail, recurrent = self._zero_state(x)
+        else:
+            conv_tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
+            recurrent = self.read_page(state, GDN_STATE, x.device)[None]
+        if state.boundaries is not None:   # the exact gradient restarts each block here
+            self._keep_boundary(state, conv_tail, recurrent)
+        mixed, conv_tail, recurrent = self._mix(self.in_proj(x)[0], conv_tail, recurrent, True)
+        self.write_state(state, GDN_STATE, recurrent[0])
+        self.write_state(state, CONV_TAIL, conv_tail)
+        return self.out_proj(mixed)
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt under autograd (one process), continuing from the state
@@ -151,10 +178,7 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
             outputs = []
             for start in blocks:
                 if state.boundaries is not None:   # the exact gradient restarts each block here
-                    state.boundaries.setdefault(self.layer_idx, []).append({
-                        CONV_TAIL: conv_tail.to(state.pages.storage_device, copy=True),
-                        GDN_STATE: None if recurrent is None else
-                        recurrent.to(state.pages.storage_device, copy=True)})
+                    self._keep_boundary(state, conv_tail, recurrent)
                 mixed, conv_tail, recurrent = self._mix(self.in_proj(x[start:start + block])[0],
                                                         conv_tail, recurrent, True)
                 outputs.append(self.out_proj(mixed)[0])
