@@ -390,13 +390,14 @@ def test_auto_prefers_a_usable_backend(monkeypatch):
                         lambda name, for_auto=False: None if name in ("ref", "triton") else "absent")
     chosen = select.use("auto,sparse_mla_grad=ref")
     assert chosen.choices == {"sparse_mla": "triton", "sparse_mla_grad": "ref", "indexer": "ref",
-                              "attention": "ref", "moe": "ref", "dense": "ref", "optimizer": "ref"}
+                              "attention": "ref", "moe": "ref", "dense": "ref", "optimizer": "ref",
+                              "fp8_gemm": "ref"}
 
 
 def test_per_part_specs():
     assert select.parse_spec("sparse_mla=triton,indexer=ref") == {
         "sparse_mla": "triton", "sparse_mla_grad": "ref", "indexer": "ref", "attention": "ref",
-        "moe": "ref", "dense": "ref", "optimizer": "ref"}
+        "moe": "ref", "dense": "ref", "optimizer": "ref", "fp8_gemm": "ref"}
     assert select.parse_spec("triton")["sparse_mla_grad"] == "triton"
     assert select.parse_spec("flashmla") == {**select.parse_spec("ref"), "sparse_mla": "flashmla"}
     assert select.parse_spec("auto, indexer = ref")["indexer"] == "ref"

@@ -1,4 +1,5 @@
-"""DeepGEMM's FP8 lightning-indexer scores (`deep_gemm.fp8_mqa_logits`) behind `indexer_topk`.
+"""DeepGEMM behind two kernel parts: the FP8 lightning-indexer scores (`deep_gemm.fp8_mqa_logits`)
+behind `indexer_topk`, and the FP8 base's GEMM (`deep_gemm.fp8_gemm_nt`) behind `fp8_linear`.
 
 Upstream API (deepseek-ai/DeepGEMM: README "V3.2 MQA kernels for the indexer", `csrc/apis/
 attention.hpp`, `tests/test_attention.py`):
@@ -18,6 +19,27 @@ The key range is the whole block; the causal mask and the running top-k are the 
 reference where scores nearly tie (the device check reports logit error and top-k recall).
 Calls the kernel cannot take (relu=False, CPU tensors, unsupported head count/dim) use
 `refs.indexer_scores` (logged once).
+
+FP8 GEMM (`fp8_linear`, the `fp8_gemm` part; reference `fp8.linear`). Upstream (deepseek-ai/DeepGEMM
+`csrc/apis/gemm.hpp`, `csrc/apis/layout.hpp`, `tests/test_fp8_fp4.py`, `deep_gemm/utils/math.py`):
+
+    fp8_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk",
+                disable_ue8m0_cast=False)          # alias of fp8_fp4_gemm_nt; d = c + a @ b.T
+        a: (x_fp8 [m, k] float8_e4m3fn, K-major; sfa [m, ceil(k / 128)] fp32: per 1 x 128 group)
+        b: (w_fp8 [n, k] float8_e4m3fn, K-major; sfb [ceil(n / 128), ceil(k / 128)] fp32: per
+            128 x 128 block, contiguous: exactly a block-FP8 checkpoint's `weight_scale_inv`)
+        d: [m, n] bf16 (the SM90 1D2D kernel writes bf16 and takes no c)
+
+With fp32 scales the default recipe is (1, 128, 128). On SM90 the library makes sfa TMA-aligned
+and MN-major itself (`get_mn_major_tma_aligned_tensor`) and takes sfb as it is. On SM100 it casts
+fp32 scales to UE8M0 (powers of two, `disable_ue8m0_cast` must stay False there): a checkpoint's
+arbitrary fp32 block scales would be rounded, so this wrapper runs on SM90 only. Activations are
+quantised here per token and 128-column group (amax / 448, DeepGEMM's `per_token_cast_to_fp8`):
+the only numerical change against the reference (which multiplies x in its own precision), and why
+`auto` never picks this part (kernels/select.py). The backward (dL/dx in replay) stays the
+reference's (fp8.grad_input). Calls it cannot take (not SM90, x not bf16, k not a multiple of 128,
+n not a multiple of 64, row parts whose scale grid is not one 128 x 128 grid) use `fp8.linear`
+(logged once).
 """
 
 from __future__ import annotations
@@ -26,6 +48,7 @@ import logging
 
 import torch
 
+from megatron_longstraw import fp8
 from megatron_longstraw.kernels import packages, refs
 
 logger = logging.getLogger(__name__)
@@ -146,3 +169,65 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     """
     return running_topk(_score_fn(q, weights, scale, relu), q, keys, query_positions,
                         key_positions, topk, key_block)
+
+
+# ---- FP8 GEMM: fp8_gemm_nt behind fp8_linear ---------------------------------------------------
+
+
+def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [m, k] -> (x_fp8 [m, k] float8_e4m3fn, scales [m, ceil(k / 128)] fp32) with
+    x ~ x_fp8 * scale per token and 128-column group (scale = amax / 448, amax >= 1e-4, as
+    DeepGEMM's `per_token_cast_to_fp8`). Pure PyTorch (runs on CPU in tests)."""
+    m, k = x.shape
+    pad = -k % fp8.BLOCK
+    padded = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, fp8.BLOCK)
+    scale = padded.abs().amax(dim=2).clamp(min=1e-4) / _FP8_MAX
+    x_fp8 = (padded / scale[..., None]).to(torch.float8_e4m3fn).view(m, k + pad)[:, :k]
+    return x_fp8.contiguous(), scale.contiguous()
+
+
+def supports_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                      row_parts: int) -> str | None:
+    """None when `fp8_gemm_nt` can compute this `fp8_linear` call exactly as specified, else why
+    not (module docstring)."""
+    major = _sm_major(x)
+    if major is None:
+        return "tensors are not on a CUDA device"
+    if major != 9:
+        return (f"SM{major}x: fp8_gemm_nt casts fp32 block scales to UE8M0 there; only SM90 "
+                "takes a checkpoint's scales unchanged")
+    if x.dtype != torch.bfloat16:
+        return f"activations in {x.dtype} (fp8_gemm_nt writes bf16: run the model in bf16)"
+    n, k = weight.shape
+    if k % fp8.BLOCK or n % 64:
+        return f"weight [{n}, {k}] (needs k % 128 == 0 and n % 64 == 0)"
+    if tuple(scale_inv.shape) != fp8.scale_shape(n, k):
+        return f"{row_parts} row parts of {n // row_parts} rows (not one 128 x 128 scale grid)"
+    return None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               row_parts: int = 1) -> torch.Tensor:
+    """`fp8.linear` by DeepGEMM's `fp8_gemm_nt` (activations quantised per 1 x 128 group).
+
+    x: [..., k] bf16, weight: [n, k] float8_e4m3fn, scale_inv: [ceil(n / 128), ceil(k / 128)] fp32
+    -> [..., n] bf16.
+    """
+    reason = supports_fp8_gemm(x, weight, scale_inv, row_parts)
+    if reason is not None:
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            logger.warning("deepgemm fp8_gemm: %s; using the reference GEMM.", reason)
+        return fp8.linear(x, weight, scale_inv, row_parts)
+    deep_gemm = packages.require("deep_gemm")
+    if not hasattr(deep_gemm, "fp8_gemm_nt"):
+        raise packages.MissingKernelPackage("`deep_gemm` has no fp8_gemm_nt (an old release)",
+                                            "deep_gemm")
+    n, k = weight.shape
+    flat = x.reshape(-1, k)
+    out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    if flat.shape[0]:
+        x_fp8, x_scale = per_token_cast_to_fp8(flat)
+        deep_gemm.fp8_gemm_nt((x_fp8, x_scale), (weight.contiguous(), scale_inv.contiguous()), out,
+                              disable_ue8m0_cast=True)
+    return out.reshape(*x.shape[:-1], n)

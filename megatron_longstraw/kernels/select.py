@@ -13,6 +13,7 @@ module each, take over the parts they implement:
     moe              MoE dispatch: moe_config_overrides()           deepep, ref
     dense            layer specs: dense_spec_provider()             te, ref
     optimizer        optimizer_class()                              apex, ref
+    fp8_gemm         fp8_linear: the FP8 base's GEMM (fp8.matmul)   ref (deepgemm: explicit only)
 
 A spec is comma-separated items: one default (`auto`, `ref`, or a backend name, which takes the parts
 it implements and leaves the rest on ref) and `part=name` overrides, e.g. `auto`, `triton`,
@@ -22,6 +23,12 @@ choice; an explicit backend that cannot run fails at once with the package name 
 it. `apply_rope` and `merge_partial_attention` always run the reference. `attention` has only the
 reference today (blockwise over keys, recomputing backward); a fused GPU backend that returns the
 log-sum-exp and takes its gradient (FlashAttention-style) plugs in as one more row here.
+
+`fp8_gemm` (the frozen FP8 base of `--longstraw-fp8-base`, megatron_longstraw/fp8.py): its
+reference is `fp8.linear` (beside the format it computes; kernels/refs.py holds the others).
+`deepgemm` (DeepGEMM's `fp8_gemm_nt`, kernels/deepgemm.py) quantises the activations to FP8 per
+1 x 128 group, which changes the numbers, so `auto` never picks it: name it (`fp8_gemm=deepgemm`,
+or the `deepgemm` default, which also takes the indexer).
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ from typing import Callable
 
 import torch
 
+from megatron_longstraw import fp8
 from megatron_longstraw.kernels import packages, refs
 from megatron_longstraw.kernels.packages import MissingKernelPackage
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("sparse_mla", "sparse_mla_grad", "indexer", "attention", "moe", "dense", "optimizer")
+PARTS = ("sparse_mla", "sparse_mla_grad", "indexer", "attention", "moe", "dense", "optimizer",
+         "fp8_gemm")
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ BACKENDS: dict[str, Backend] = {
                         module="flashmla"),
     "triton": Backend("triton", ("sparse_mla", "sparse_mla_grad"), "triton",
                       module="triton_sparse_mla"),
-    "deepgemm": Backend("deepgemm", ("indexer",), "deep_gemm", sm_majors=(9, 10),
+    "deepgemm": Backend("deepgemm", ("indexer", "fp8_gemm"), "deep_gemm", sm_majors=(9, 10),
                         module="deepgemm"),
     "deepep": Backend("deepep", ("moe",), "deep_ep", module="deepep"),
     "te": Backend("te", ("dense",), "transformer_engine", module="te"),
@@ -81,6 +90,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "moe": ("deepep", "ref"),
     "dense": ("te", "ref"),
     "optimizer": ("apex", "ref"),
+    "fp8_gemm": ("ref",),   # deepgemm quantises activations: explicit only (module docstring)
 }
 
 
@@ -251,6 +261,7 @@ class KernelSet:
     blockwise_attention: Callable = refs.blockwise_attention
     apply_rope: Callable = refs.apply_rope
     merge_partial_attention: Callable = refs.merge_partial_attention
+    fp8_linear: Callable = fp8.linear
 
     def sparse_mla_attention(self, query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
                              scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,6 +279,8 @@ def _build(choices: dict[str, str]) -> KernelSet:
         blockwise_attention=_wrapper(choices["attention"], "blockwise_attention"),
         _sparse_mla=_wrapper(choices["sparse_mla"], "sparse_mla_attention"),
         _sparse_mla_grad=_wrapper(choices["sparse_mla_grad"], "sparse_mla_attention"),
+        fp8_linear=(fp8.linear if choices["fp8_gemm"] == "ref"
+                    else _wrapper(choices["fp8_gemm"], "fp8_linear")),
     )
 
 
@@ -307,7 +320,7 @@ def reset() -> None:
 
 def kernels() -> KernelSet:
     """The active kernels (`apply_rope`, `indexer_topk`, `sparse_mla_attention`,
-    `blockwise_attention`, `merge_partial_attention`)."""
+    `blockwise_attention`, `merge_partial_attention`, `fp8_linear`)."""
     return _ACTIVE[0]
 
 
