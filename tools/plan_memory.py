@@ -54,7 +54,10 @@ def parse_args(argv=None):
         f"{cp} ({name})" for name, (cp, _) in _LAYOUTS.items()))
     p.add_argument("--ep", type=int, default=None, help="default: " + ", ".join(
         f"{ep} ({name})" for name, (_, ep) in _LAYOUTS.items()))
-    p.add_argument("--weight-dtype", choices=sorted(planner.DTYPE_BYTES), default="bf16")
+    p.add_argument("--weight-dtype", choices=sorted(planner.DTYPE_BYTES), default="bf16",
+                   help="fp8: the FP8 base (--longstraw-fp8-base): the family's FP8 linears in "
+                        "FP8 with an fp32 scale per 128x128 block, the rest in --act-dtype; nf4: "
+                        "QLoRA, the adapted linears in NF4")
     p.add_argument("--act-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default=None,
                    help="default: the weight dtype (bf16 for fp8/nf4 weights)")
     p.add_argument("--latent-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default="bf16",
@@ -88,6 +91,10 @@ def build_spec(args) -> planner.PlanSpec:
     from megatron_longstraw.config import LongStrawConfig
 
     family = FAMILIES[args.family]
+    if args.weight_dtype == "fp8" and not family.fp8_linears:
+        sys.exit(f"plan_memory.py: error: --weight-dtype fp8 plans the FP8 base "
+                 f"(--longstraw-fp8-base), which --family {args.family} does not have "
+                 "(Family.fp8_linears is empty); plan bf16 or nf4 weights.")
     config = args.config or str(ROOT / family.full_config)
     blocks = LongStrawConfig.from_yaml(config)
     model = family.config_class.from_yaml(config)
@@ -101,6 +108,7 @@ def build_spec(args) -> planner.PlanSpec:
     return planner.PlanSpec(
         family=args.family, model=model, prompt_len=args.prompt_len, group_size=args.group_size,
         response_len=args.response_len, cp=cp, ep=ep, weight_bytes=weight, act_bytes=act,
+        fp8_base=args.weight_dtype == "fp8",
         latent_bytes=planner.DTYPE_BYTES[args.latent_dtype], index_key_bytes=index,
         trainable=args.trainable, lora_rank=args.lora_rank, lora_experts=args.lora_experts,
         trainable_params=args.trainable_params,

@@ -46,6 +46,10 @@ class HFConversion:
     -> that expert's on-disk names (None: the family has no routed experts)."""
     float32_names: tuple[str, ...] = ()
     """Name suffixes (either side) kept in float32 whatever --dtype says."""
+    fp8_checkpoints: bool = False
+    """Block-FP8 checkpoints (`weight` float8_e4m3fn + `weight_scale_inv`, 128 x 128 blocks)
+    convert with their FP8 bytes and scales kept (the mapping's 'copy', 'cat' and 'stack' kinds
+    only move whole tensors and rows; megatron_longstraw/fp8.py)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class Family:
     """Hugging Face conversion (tools/convert_hf.py)."""
     planner: PlannerEntry
     """Memory planner entry (megatron_longstraw/planner)."""
+    fp8_linears: tuple[str, ...] = ()
+    """Linears the family's block-FP8 checkpoints hold in FP8 (name patterns as `lora_targets`):
+    `--longstraw-fp8-base` quantises these at load when the base has no FP8 weights, and the
+    planner's `--weight-dtype fp8` counts them in FP8 (empty: the family has no FP8 base)."""
 
 
 # ---- Megatron flags shared by the families ------------------------------------------------------
@@ -147,6 +155,10 @@ DeepSeek-V3), whose configs name them the HF way."""
 MLA_MOE_LORA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                         "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
 """MLA's projections, the attention output and every FFN (dense, shared and routed experts)."""
+
+MLA_MOE_FP8_LINEARS = MLA_MOE_LORA_TARGETS
+"""The linears of DeepSeek-V3's block-FP8 release: MLA's projections, the attention output, every
+FFN; the embedding, output layer, norms and router stay bf16."""
 
 
 # ---- the launcher's build -----------------------------------------------------------------------

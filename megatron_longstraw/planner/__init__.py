@@ -173,8 +173,21 @@ def base_weight_bytes(spec: PlanSpec, params: list[ParamGroup]) -> float:
     """One rank's base weights (routed experts / EP). NF4 (QLoRA, `adapters.apply_lora(...,
     quantize_base=True)`) quantises only the linears an adapter wraps (the groups' lora_shapes,
     routed experts with `lora_experts`); embedding, output layer, norms and the rest stay in the
-    activation dtype. Other dtypes apply to every parameter."""
+    activation dtype. The FP8 base (`spec.fp8_base`, fp8_base.apply_fp8_base) holds the family's
+    FP8 linears (the groups' fp8_shapes, adapters or not) in FP8 bytes plus an fp32 scale per
+    128 x 128 block (`fp8.nbytes`, checked against the built model's resident bytes on CPU,
+    tests/test_fp8_base.py); the rest stays in the activation dtype. Other dtypes apply to every
+    parameter."""
     share = lambda g: 1 / spec.ep if g.expert else 1
+    if spec.fp8_base:
+        from megatron_longstraw.fp8 import nbytes as fp8_nbytes
+
+        total = 0.0
+        for g in params:
+            quantised = sum(i * o for i, o, _ in g.fp8_shapes)
+            stored = sum(fp8_nbytes(o, i, parts) for i, o, parts in g.fp8_shapes)
+            total += share(g) * (stored + (g.count - quantised) * spec.act_bytes)
+        return total
     if spec.weight_bytes >= 1:
         return sum(g.count * share(g) for g in params) * spec.weight_bytes
     total = 0.0
@@ -194,9 +207,12 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
     optimizer_bytes = 8 if own or spec.weight_bytes >= 4 else 12
     shard = spec.cp if spec.shard_optimizer else 1     # distributed optimizer over DP x CP (DP = 1)
     static = [
-        Item(f"base weights ({spec.weight_bytes:.4g} B/param"
-             + (f", adapted linears only, the rest {spec.act_bytes:.4g} B" if spec.weight_bytes < 1
-                else "") + f"; routed experts / EP={spec.ep})", weights),
+        Item((f"base weights (FP8 linears 1 B/param + an fp32 scale per 128x128 block, the rest "
+              f"{spec.act_bytes:.4g} B" if spec.fp8_base else
+              f"base weights ({spec.weight_bytes:.4g} B/param"
+              + (f", adapted linears only, the rest {spec.act_bytes:.4g} B"
+                 if spec.weight_bytes < 1 else ""))
+             + f"; routed experts / EP={spec.ep})", weights),
         Item("adapter weights (fp32)", 4 * (dense + expert) if own else 0.0),
         Item("gradients (fp32 main_grad, trainable)", 4 * (dense + expert)),
         Item(("optimizer (Adam m, v fp32)" if optimizer_bytes == 8 else "optimizer (fp32 master + "

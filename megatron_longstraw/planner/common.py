@@ -35,6 +35,10 @@ class PlanSpec:
     cp: int = 1
     ep: int = 1
     weight_bytes: float = 2.0
+    fp8_base: bool = False
+    """`--longstraw-fp8-base` (`--weight-dtype fp8`): the groups' fp8_shapes in FP8 with an fp32
+    scale per 128 x 128 block (fp8.nbytes), every other parameter in `act_bytes`;
+    `weight_bytes` is then unused."""
     act_bytes: float = 2.0
     """Activations (the model's compute dtype)."""
     latent_bytes: float = 2.0
@@ -94,6 +98,9 @@ class ParamGroup:
     """attention | indexer | mlp | experts | embedding | head | other"""
     lora_shapes: list[tuple[int, int]] = field(default_factory=list)
     """(in, out) of each linear a LoRA adapter attaches to (the family's Family.lora_targets)."""
+    fp8_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    """(in, out, row parts) of each linear the family's block-FP8 checkpoints hold in FP8
+    (Family.fp8_linears; row parts: fp8.row_parts, 2 for a gated linear_fc1)."""
 
 
 @dataclass

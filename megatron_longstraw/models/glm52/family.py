@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_longstraw.models.family import (
-    MLA_MOE_FROM_MEGATRON, MLA_MOE_LORA_TARGETS, Family, PlannerEntry, same,
+    MLA_MOE_FP8_LINEARS, MLA_MOE_FROM_MEGATRON, MLA_MOE_LORA_TARGETS, Family, PlannerEntry, same,
     selected_kernels_build,
 )
 from megatron_longstraw.models.glm52.config import GLM52Config
@@ -15,6 +15,11 @@ from megatron_longstraw.models.glm52.hf import HF_CONVERSION
 
 LORA_TARGETS = MLA_MOE_LORA_TARGETS
 """MLA's projections, the attention output and every FFN (dense, shared and routed experts)."""
+
+FP8_LINEARS = MLA_MOE_FP8_LINEARS + ("linear_wq_b", "linear_wk")
+"""The linears GLM-5.2's block-FP8 checkpoints hold in FP8: DeepSeek-V3's set plus the DSA
+indexer's query and key projections (its head-weight projection `weights_proj`, like the router,
+stays bf16, as in DeepSeek-V3.2's FP8 release)."""
 
 FROM_MEGATRON = {
     **MLA_MOE_FROM_MEGATRON,
@@ -55,4 +60,5 @@ FAMILY = Family(
     tiny_config="examples/glm52/tiny.yaml", full_config="examples/glm52/full.yaml",
     hf=HF_CONVERSION,
     planner=PlannerEntry(footprint=footprint, index_key_width=lambda cfg: cfg.index_head_dim,
-                         cp=32, ep=32))
+                         cp=32, ep=32),
+    fp8_linears=FP8_LINEARS)
