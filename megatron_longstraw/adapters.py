@@ -6,7 +6,10 @@ contract (`[s, b, h]` in, `(output, bias)` out, `skip_bias_add` honoured) and ad
 `scaling * B(A(dropout(x)))`, `scaling = alpha / rank`, with `A: [r, in]` (uniform, +-1/sqrt(in),
 as `nn.Linear` / peft) and `B: [out, r] = 0`, so the wrapped model starts identical. The base weight
 is frozen and, with `quantize_base`, stored in NF4 (block size 64, double quantisation: the fp32
-absmax of each block is itself quantised to 8 bits in blocks of 256, as QLoRA). Every other base
+absmax of each block is itself quantised to 8 bits in blocks of 256, as QLoRA). A base already held
+in FP8 blocks (`fp8_base.FP8Linear`, `--longstraw-fp8-base`, applied before this) is wrapped the
+same way: the adapters add to its output, `base_weight()` is its dequantised weight. Every other
+base
 parameter is frozen too: only `lora_A` / `lora_B` train. `wrapper.weight` is the effective weight
 `W + scaling * B A` (the GLM-5.2 attention reads `linear_kv_up_proj.weight` for the absorbed MLA
 product instead of calling the layer).
@@ -101,18 +104,31 @@ class LoRAConfig:
 
 
 def _linear_types() -> tuple[type, ...]:
-    from megatron.core.post_training.modelopt.layers import Linear
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron_longstraw.fp8_base import FP8Linear, megatron_linear_types
 
-    return ColumnParallelLinear, RowParallelLinear, Linear
+    return (*megatron_linear_types(), FP8Linear)
 
 
 class LoRALinear(nn.Module):
-    """A Megatron linear (`base`, frozen; NF4 when quantised) plus a trainable low-rank update."""
+    """A Megatron linear (`base`, frozen; NF4 when quantised, or an FP8 base layer) plus a
+    trainable low-rank update."""
 
     def __init__(self, base: nn.Module, cfg: LoRAConfig, name: str, quantize_base: bool):
         super().__init__()
-        weight = base.weight
+        from megatron_longstraw.fp8_base import FP8Linear
+
+        if isinstance(base, FP8Linear):
+            if quantize_base:
+                raise ValueError(f"{name} is an FP8 base layer; QLoRA (NF4) and the FP8 base "
+                                 "exclude each other.")
+            # shape, dtype and expert flag without dequantising the weight
+            weight = torch.empty(base.out_features, base.in_features, dtype=base.base_dtype,
+                                 device="meta")
+            weight.allreduce = base.allreduce
+            device = base.weight_fp8.device
+        else:
+            weight = base.weight
+            device = None if weight is None else weight.device
         if weight is None or weight.dim() != 2:
             raise ValueError(f"{name}: LoRA needs a layer that owns a 2-D weight.")
         tp_group = getattr(base, "tp_group", None)
@@ -128,9 +144,9 @@ class LoRALinear(nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)
         lora_a = torch.empty(cfg.rank, self.in_features, dtype=dtype).uniform_(-bound, bound,
                                                                                generator=gen)
-        self.lora_A = nn.Parameter(lora_a.to(weight.device))
+        self.lora_A = nn.Parameter(lora_a.to(device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=dtype,
-                                               device=weight.device))
+                                               device=device))
         for param in (self.lora_A, self.lora_B):
             param.allreduce = getattr(weight, "allreduce", True)  # experts' adapters stay experts
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
@@ -147,6 +163,8 @@ class LoRALinear(nn.Module):
         if self.quant_state is not None:   # QuantState is no tensor: move it with the packed bytes
             self.quant_state.to(self.nf4_weight.device)
             self.base_dtype = fn(torch.empty(0, dtype=self.base_dtype)).dtype   # .half() etc.
+        elif hasattr(self.base, "weight_fp8"):   # an FP8 base layer follows .half() etc. itself
+            self.base_dtype = self.base.base_dtype
         return self
 
     def base_weight(self) -> torch.Tensor:
@@ -287,9 +305,12 @@ def _merged_check(model: nn.Module, what: str) -> None:
 
 def merge_adapters(model: nn.Module) -> None:
     """Fold scaling * B A into each (unquantised) base weight; forward then skips the adapters."""
+    from megatron_longstraw.fp8_base import FP8Linear
+
     for name, module in lora_modules(model):
-        if module.quant_state is not None:
-            raise ValueError(f"{name}: merging into an NF4 base would requantise it (lossy); "
+        if module.quant_state is not None or isinstance(module.base, FP8Linear):
+            kind = "an NF4" if module.quant_state is not None else "an FP8"
+            raise ValueError(f"{name}: merging into {kind} base would requantise it (lossy); "
                              "export base_weight() + delta_weight() instead.")
         if not module.merged:
             with torch.no_grad():
@@ -369,8 +390,11 @@ def merged_state_dict(model: nn.Module, device: torch.device | str | None = "cpu
     (model_format.save_model(..., merge_adapters=True)). The sum is computed in float32 (float64 for
     a float64 base) and cast once to the base dtype; with an NF4 base the base is its dequantised
     weight, the one the adapters were trained against. Merged tensors are moved to `device` one
-    at a time (None: stay where they are); other entries are the model's own tensors. The model is
-    not modified."""
+    at a time (None: stay where they are); other entries are the model's own tensors. FP8 base
+    layers (fp8_base.FP8Linear) give their dequantised weight (plus the adapters', when wrapped).
+    The model is not modified."""
+    from megatron_longstraw.fp8_base import FP8Linear, fp8_modules
+
     wrappers = dict(lora_modules(model))
     _merged_check(model, "merged_state_dict")
 
@@ -394,10 +418,16 @@ def merged_state_dict(model: nn.Module, device: torch.device | str | None = "cpu
         if not rest.startswith("base."):
             raise ValueError(f"{key}: unexpected state of a LoRA layer.")
         out[f"{name}.{rest[len('base.'):]}"] = value
+    for name, module in fp8_modules(model):
+        if not name.endswith(".base") or name[:-len(".base")] not in wrappers:
+            with torch.no_grad():
+                weight = module.weight
+            out[f"{name}.weight"] = weight if device is None else weight.to(device)
     for name, module in wrappers.items():
         with torch.no_grad():
-            base = module.base_weight()
-            wide = torch.float64 if base.dtype == torch.float64 else torch.float32
+            wide = torch.float64 if module.base_dtype == torch.float64 else torch.float32
+            base = (module.base.dequantized(wide) if isinstance(module.base, FP8Linear)
+                    else module.base_weight())
             merged = (base.to(wide) + module.delta_weight().to(wide)).to(module.base_dtype)
         out[f"{name}.weight"] = merged if device is None else merged.to(device)
     return out

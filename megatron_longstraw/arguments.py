@@ -151,13 +151,19 @@ def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
-        "longstraw: LoRA / QLoRA (YAML `longstraw:` keys lora, qlora, lora_rank, lora_alpha, "
-        "lora_dropout, lora_targets, lora_exclude)")
+        "longstraw: LoRA / QLoRA / FP8 base (YAML `longstraw:` keys lora, qlora, fp8_base, "
+        "lora_rank, lora_alpha, lora_dropout, lora_targets, lora_exclude)")
     group.add_argument("--longstraw-lora", action=argparse.BooleanOptionalAction, default=None,
                        help="Train LoRA adapters on a frozen base instead of every parameter.")
     group.add_argument("--longstraw-qlora", action=argparse.BooleanOptionalAction, default=None,
                        help="LoRA with the frozen base in NF4 (bitsandbytes, block size 64, double "
                             "quantisation); implies --longstraw-lora.")
+    group.add_argument("--longstraw-fp8-base", action=argparse.BooleanOptionalAction, default=None,
+                       help="With --longstraw-lora: keep the frozen base's linears in FP8 e4m3 "
+                            "with one fp32 scale per 128 x 128 block (megatron_longstraw/fp8.py): "
+                            "the FP8 weights of a converted FP8 checkpoint as they ship, or, for a "
+                            "bf16 / fp32 base, the family's FP8 linears quantised at load. Not "
+                            "with --longstraw-qlora; not for full-parameter training.")
     group.add_argument("--longstraw-lora-rank", type=int, default=None,
                        help=f"Adapter rank r (default {LORA_DEFAULTS['lora_rank']}).")
     group.add_argument("--longstraw-lora-alpha", type=float, default=None,
@@ -337,7 +343,7 @@ def longstraw_config_from_args(args: argparse.Namespace) -> LongStrawConfig:
     return LongStrawConfig.from_dict(values)
 
 
-LORA_DEFAULTS = dict(zip(ADAPTER_KEYS, (False, False, 64, 16.0, 0.0, None, ())))
+LORA_DEFAULTS = dict(zip(ADAPTER_KEYS, (False, False, 64, 16.0, 0.0, None, (), False)))
 """YAML `longstraw:` LoRA keys and their defaults (rank and alpha: adapters.LoRAConfig's, the QLoRA
 paper's r = 64, alpha = 16; targets None: the family's)."""
 _LORA_FLAGS = {key: "--longstraw-" + key.replace("_", "-") for key in LORA_DEFAULTS}
@@ -355,17 +361,22 @@ class LoRASettings:
     """The targets came from the flag or YAML (each must match a linear layer); else the family's
     defaults (those the model lacks, e.g. GLM-5.2's q projections at q_lora_rank None, are
     dropped)."""
+    fp8_base: bool = False
+    """The frozen base's linears in FP8 blocks (fp8_base.apply_fp8_base), adapters on top."""
 
     def record(self) -> dict:
         """What a checkpoint stores to check a resumed run asks for the same adapters."""
         cfg = self.config
         return {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout,
                 "targets": list(cfg.targets), "exclude": list(cfg.exclude),
-                "quantize_base": self.quantize_base}
+                "quantize_base": self.quantize_base,
+                **({"fp8_base": True} if self.fp8_base else {})}
 
     def describe(self) -> str:
         cfg = self.config
-        return (f"{'QLoRA (NF4 base)' if self.quantize_base else 'LoRA'} rank {cfg.rank}, alpha "
+        kind = ("QLoRA (NF4 base)" if self.quantize_base
+                else "LoRA on an FP8 base" if self.fp8_base else "LoRA")
+        return (f"{kind} rank {cfg.rank}, alpha "
                 f"{cfg.alpha:g}, dropout {cfg.dropout:g}, targets {', '.join(cfg.targets)}"
                 + (f", exclude {', '.join(cfg.exclude)}" if cfg.exclude else ""))
 
@@ -390,10 +401,20 @@ def lora_settings_from_args(args: argparse.Namespace, default_targets: tuple[str
             values[key] = flag_value
     def where(key: str) -> str:
         return f"{_LORA_FLAGS[key]} (YAML longstraw.{key})"
-    for key in ("lora", "qlora"):
+    for key in ("lora", "qlora", "fp8_base"):
         if not isinstance(values.get(key, False), bool):
             raise ValueError(f"{where(key)}: expected true or false, got {values[key]!r}.")
-    qlora = values.get("qlora", False)
+    qlora, fp8_base = values.get("qlora", False), values.pop("fp8_base", False)
+    if fp8_base and qlora:
+        raise ValueError("--longstraw-fp8-base and --longstraw-qlora (YAML fp8_base, qlora) both "
+                         "choose how the frozen base is stored (FP8 blocks, NF4); pass one of "
+                         "them.")
+    if fp8_base and not values.get("lora", False):
+        raise ValueError("--longstraw-fp8-base (YAML longstraw.fp8_base) keeps the frozen base in "
+                         "FP8 under LoRA adapters, but LoRA is off: a full-parameter run updates "
+                         "the base, and FP8 blocks cannot be trained in place. Add "
+                         "--longstraw-lora, or drop --longstraw-fp8-base (an FP8 checkpoint then "
+                         "loads dequantised to the model's dtype).")
     if qlora and values.get("lora") is False:
         raise ValueError("--longstraw-qlora trains LoRA adapters on an NF4 base, but LoRA is "
                          "switched off (--no-longstraw-lora or `lora: false`); drop one of them.")
@@ -423,7 +444,8 @@ def lora_settings_from_args(args: argparse.Namespace, default_targets: tuple[str
     exclude = _patterns(settings["lora_exclude"], where("lora_exclude"))
     config = LoRAConfig(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=targets,
                         exclude=exclude, seed=seed)
-    return LoRASettings(config, quantize_base=qlora, targets_given=targets_given)
+    return LoRASettings(config, quantize_base=qlora, targets_given=targets_given,
+                        fp8_base=fp8_base)
 
 
 def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

@@ -30,7 +30,7 @@ the base, so it is recoverable from where it came from, and a copy per checkpoin
 disk and save time. Instead
 `meta.json` carries (the launcher passes it as `meta_extra`)
 
-    "lora": {"rank", "alpha", "dropout", "targets", "exclude", "quantize_base",
+    "lora": {"rank", "alpha", "dropout", "targets", "exclude", "quantize_base", "fp8_base",
              "base": {"source": the model-format directory the base was loaded from (absolute),
                                 or null for the seeded random initialisation,
                       "seed": that seed, "fingerprints": [model_fingerprint of each rank's base]}}
@@ -269,6 +269,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def lora_flags(record: dict) -> str:
     """The launcher flags that ask for the adapters `record` (LoRASettings.record()) describes."""
     flags = ["--longstraw-qlora" if record["quantize_base"] else "--longstraw-lora",
+             *(["--longstraw-fp8-base"] if record.get("fp8_base") else []),
              f"--longstraw-lora-rank {record['rank']}", f"--longstraw-lora-alpha {record['alpha']:g}",
              "--longstraw-lora-targets " + " ".join(record["targets"])]
     if record.get("exclude"):
@@ -276,8 +277,10 @@ def lora_flags(record: dict) -> str:
     return " ".join(flags)
 
 
-_LORA_RESUME_KEYS = ("quantize_base", "rank", "alpha", "targets", "exclude")
+_LORA_RESUME_KEYS = ("quantize_base", "fp8_base", "rank", "alpha", "targets", "exclude")
 """Settings a resumed LoRA run must keep (dropout may change between runs: it has no state)."""
+_LORA_RECORD_DEFAULTS = {"fp8_base": False}
+"""Values of keys that records written before the key existed lack."""
 
 
 def check_lora_resume(path: str | os.PathLike, saved: dict | None, requested: dict | None) -> None:
@@ -294,8 +297,11 @@ def check_lora_resume(path: str | os.PathLike, saved: dict | None, requested: di
         raise CheckpointError(f"{path} holds LoRA adapters, not a full model (its frozen base is "
                               f"not saved); resume it with the same adapters: "
                               f"{lora_flags(saved)}.")
-    diff = [f"{key} {saved.get(key)!r} (this run: {requested.get(key)!r})"
-            for key in _LORA_RESUME_KEYS if saved.get(key) != requested.get(key)]
+    def value(record: dict, key: str):
+        return record.get(key, _LORA_RECORD_DEFAULTS.get(key))
+
+    diff = [f"{key} {value(saved, key)!r} (this run: {value(requested, key)!r})"
+            for key in _LORA_RESUME_KEYS if value(saved, key) != value(requested, key)]
     if diff:
         raise CheckpointError(f"{path} was trained with other LoRA settings: {', '.join(diff)}. "
                               f"Resume with the checkpoint's settings ({lora_flags(saved)}), or "

@@ -178,5 +178,5 @@ class LongStrawConfig:
 PROMPT_GRAD_MODES = ("detached", "exact")
 
 ADAPTER_KEYS = ("lora", "qlora", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                "lora_exclude")
+                "lora_exclude", "fp8_base")
 """YAML `longstraw:` keys that configure adapters (arguments.LORA_DEFAULTS), not the step."""

@@ -15,6 +15,11 @@ Model format (written by `tools/convert_hf.py` and `save_model`, read by `load_m
                         `_extra_state` entries and the routers' `local_tokens_per_expert`
                         statistics. Routers' `expert_bias` stays float32
                         whatever "dtype" says (Megatron keeps it in float32).
+                        A block-FP8 checkpoint's linears (tools/convert_hf.py keeps them):
+                        `<linear>.weight` float8_e4m3fn plus `<linear>.weight_scale_inv`
+                        float32, 128 x 128 blocks (megatron_longstraw/fp8.py; a gated
+                        `linear_fc1` holds gate's and up's grids stacked); "dtype" is then
+                        the other tensors' dtype, and longstraw.json has an "fp8" entry.
 
 An expert-parallel model loads it with `load_model` (each rank reads only its own experts, lazily).
 """
@@ -32,6 +37,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_longstraw import fp8
 from megatron_longstraw.errors import CheckpointError, InputNotFound, PeerFailure
 from megatron_longstraw.finalize import is_expert_param
 from megatron_longstraw.parallel import global_name, load_full_state_dict
@@ -252,7 +258,10 @@ def full_state_dict(model: torch.nn.Module,
         return None
     experts = routed_expert_names(model)
     if merge_adapters:   # <expert>.linear_fc1.{base.weight,lora_A,lora_B} -> <expert>.linear_fc1.weight
+        from megatron_longstraw.fp8_base import expert_weight_names
+
         experts = {re.sub(r"\.lora_[AB]$", ".weight", n).replace(".base.", ".") for n in experts}
+        experts |= expert_weight_names(model)   # FP8 base experts: weights in buffers
     mine = {global_name(n, num_experts): t.cpu() for n, t in tensors.items() if n in experts}
     parts = [None] * len(members) if global_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0, group=group)
@@ -366,25 +375,36 @@ def save_model(out_dir: str | os.PathLike, model: torch.nn.Module, family: str =
     return Path(out_dir)
 
 
-def load_model(model_dir: str | os.PathLike, model: torch.nn.Module, family: str = "glm52") -> dict:
+def load_model(model_dir: str | os.PathLike, model: torch.nn.Module, family: str = "glm52",
+               fp8_sources: dict | None = None) -> dict:
     """Load a model-format directory into `model` (this rank's experts only); returns its
-    longstraw.json. Values are cast to each model tensor's dtype."""
-    meta, tensors = read_model(model_dir)
+    longstraw.json. Values are cast to each model tensor's dtype. FP8 weights (float8_e4m3fn with
+    their `_scale_inv`) load dequantised (`fp8.dequantize`, in the model tensor's dtype); with
+    `fp8_sources` (a dict), each of this rank's FP8 weights is also recorded there, local name ->
+    `fp8.CheckpointFP8` (read lazily), for `fp8_base.apply_fp8_base` to keep its FP8 bytes."""
+    meta, stored = read_model(model_dir)
+    pairs = fp8.find_pairs(stored, stored.dtype_name, stored.shape, str(model_dir), fp8.row_parts)
     if meta.get("family") != family:
         raise CheckpointError(f"{model_dir} holds a {meta.get('family')!r} model, not "
                               f"{family!r}.")
     check_model_config(meta, model, Path(model_dir) / MODEL_META)
+    num_experts = count_experts(model)
+    dtypes = {global_name(n, num_experts): t.dtype for n, t in local_tensors(model).items()}
+    tensors = fp8.Dequantized(stored, pairs, dtypes)   # FP8 weights read dequantised
     if parallel_layout()["expert_parallel_size"] == 1:
         unexpected = sorted(set(tensors) - set(local_tensors(model)))
         if unexpected:
             raise CheckpointError(f"{model_dir} has {len(unexpected)} tensors the model lacks, "
                                   f"e.g. {unexpected[:3]}.")
-    num_experts = count_experts(model)
     # load_full_state_dict copies with broadcasting: check shapes first (headers only).
-    bad = [f"{n}: saved {tensors.shape(g)}, model {tuple(t.shape)}"
+    bad = [f"{n}: saved {stored.shape(g)}, model {tuple(t.shape)}"
            for n, t in local_tensors(model).items()
-           if (g := global_name(n, num_experts)) in tensors and tensors.shape(g) != tuple(t.shape)]
+           if (g := global_name(n, num_experts)) in tensors and stored.shape(g) != tuple(t.shape)]
     if bad:
         raise CheckpointError(f"{model_dir}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
     load_full_state_dict(unwrap(model), tensors, num_experts)
+    if fp8_sources is not None:
+        for name in local_tensors(model):
+            if (g := global_name(name, num_experts)) in pairs:
+                fp8_sources[name] = fp8.CheckpointFP8(stored, g, pairs[g])
     return meta

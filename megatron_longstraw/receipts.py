@@ -95,14 +95,18 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
         total_params               every parameter; an NF4 base weight counts its values
         nf4_base_bytes             bytes of the NF4 base weights with their statistics (QLoRA)
         nf4_base_bytes_per_rank    the largest rank's share (each CP rank holds the dense part)
+        fp8_base_bytes             bytes of the FP8 base weights with their block scales
+        fp8_base_bytes_per_rank    the largest rank's share
     """
     import torch.distributed as dist
 
     from megatron_longstraw.adapters import lora_modules, nf4_module_bytes
     from megatron_longstraw.finalize import is_expert_param
+    from megatron_longstraw.fp8_base import fp8_modules
     from megatron_longstraw.parallel import gradient_groups
 
-    counts = torch.zeros(2, 3, dtype=torch.int64)   # [dense, expert] x [trainable, total, NF4 B]
+    # [dense, expert] x [trainable, total, NF4 bytes, FP8 bytes]
+    counts = torch.zeros(2, 4, dtype=torch.int64)
     for param in model.parameters():
         row = int(is_expert_param(param))
         counts[row, 1] += param.numel()
@@ -113,14 +117,19 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
             row = int(is_expert_param(module.lora_A))
             counts[row, 1] += module.out_features * module.in_features
             counts[row, 2] += nf4_module_bytes(module)
-    per_rank = counts[:, 2].sum().reshape(1)
+    for _, module in fp8_modules(model):   # FP8 base weights live in buffers, not parameters
+        row = int(not module.allreduce)
+        counts[row, 1] += module.out_features * module.in_features
+        counts[row, 3] += module.nbytes()
+    per_rank = counts[:, 2:].sum(0)
     _, _, expert_mp = gradient_groups()
     if expert_mp is not None and dist.get_world_size(expert_mp) > 1:
         dist.all_reduce(counts[1], group=expert_mp)      # distinct experts on each EP rank
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
     total = counts.sum(0)
     return {"trainable_params": int(total[0]), "total_params": int(total[1]),
-            "nf4_base_bytes": int(total[2]), "nf4_base_bytes_per_rank": int(per_rank[0])}
+            "nf4_base_bytes": int(total[2]), "nf4_base_bytes_per_rank": int(per_rank[0]),
+            "fp8_base_bytes": int(total[3]), "fp8_base_bytes_per_rank": int(per_rank[1])}
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -218,9 +227,11 @@ def step_summary(receipt: dict, *, model: str, lora, backend: str, path: Path) -
     the model; `lora`: the run's `LoRASettings` or None; `backend`: the process group's backend;
     `path`: where the receipt was written."""
     phase = receipt["phase_seconds"]
-    if lora is not None and lora.quantize_base:
-        adapters = (f" ({lora.describe()}; NF4 base {human_bytes(receipt['nf4_base_bytes'])}, "
-                    f"{human_bytes(receipt['nf4_base_bytes_per_rank'])} per rank)")
+    if lora is not None and (lora.quantize_base or getattr(lora, "fp8_base", False)):
+        kind = "nf4" if lora.quantize_base else "fp8"
+        adapters = (f" ({lora.describe()}; {kind.upper()} base "
+                    f"{human_bytes(receipt.get(f'{kind}_base_bytes', 0))}, "
+                    f"{human_bytes(receipt.get(f'{kind}_base_bytes_per_rank', 0))} per rank)")
     else:
         adapters = f" ({lora.describe()})" if lora is not None else ""
     rows = [

@@ -27,6 +27,12 @@ second copy. A checkpoint holds the adapters and their optimizer state, not the 
 records where the base came from and its fingerprint, and a resume reloads the base and refuses
 another one (checkpoint.py explains why the base is not saved). `--longstraw-save-merged DIR`
 writes base + adapters merged in model format after the last step.
+
+FP8 base (`--longstraw-fp8-base`, with LoRA; fp8_base.py): after the initial weights are loaded
+(an FP8 checkpoint's weights are recorded as they are stored, and load dequantised into the
+built layers meanwhile), the checkpoint's FP8 linears, or the family's FP8 linears quantised
+when the base has none, are swapped for frozen FP8 layers, then the adapters are applied on top.
+The fingerprint a checkpoint records is taken before that swap.
 """
 
 from __future__ import annotations
@@ -211,10 +217,11 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
                                       "which is no longer a model-format directory; pass the same "
                                       "weights with --pretrained-checkpoint DIR.")
     messages = []
+    fp8_sources = {} if lora is not None and lora.fp8_base else None
     # A resumed full-parameter run takes every weight from its checkpoint; a LoRA run needs its
     # base first (the checkpoint holds only the adapters).
     if init is not None and (resume is None or lora is not None):
-        model_format.load_model(init, model, family=family)
+        model_format.load_model(init, model, family=family, fp8_sources=fp8_sources)
         messages.append(f"initialised from model-format weights {init}")
     meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
             "lora": None}
@@ -225,10 +232,19 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
             checkpoint.check_lora_base(resume, saved["lora"]["base"], fingerprint, base)
         fingerprints = [None] * dist.get_world_size()
         dist.all_gather_object(fingerprints, fingerprint)
+        if lora.fp8_base:
+            from megatron_longstraw import fp8_base
+
+            with errors.configuration():   # a family without FP8 linears, a stray FP8 tensor
+                summary = fp8_base.apply_fp8_base(model, get_family(family).fp8_linears,
+                                                  fp8_sources)
+            messages.append(summary.describe())
         adapters.apply_lora(model, lora.config, quantize_base=lora.quantize_base)
         meta["lora"] = {**lora.record(), "base": {**base, "fingerprints": fingerprints}}
         messages.append(f"{lora.describe()} on {meta['lora']['base']['source'] or 'the random init'}")
     params = [p for p in model.parameters() if p.requires_grad]
+    with errors.configuration():
+        params = lr_schedule.param_groups(params, args)   # --decoupled-lr: its own group
     optimizer = select.optimizer_class()(
         params, lr=args.lr if args.lr is not None else 1e-6,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
