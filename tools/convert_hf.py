@@ -16,7 +16,16 @@ families is their record's `hf` (`HF_CONVERSION` in models/<family>/hf.py, colle
 megatron_longstraw/families.py); the reading, checking and writing are shared here. HF tensors
 are read lazily, one at a time (safetensors `safe_open`); `--to-hf` writes shard by shard. Memory:
 HF -> plugin holds the converted weights once (the format is a single safetensors file); --to-hf
-holds one shard. FP8 block-quantised checkpoints must be dequantised first.
+holds one shard.
+
+Block-FP8 checkpoints (GLM-5.2's FP8 release, DeepSeek-V3 style: `weight` float8_e4m3fn plus
+`weight_scale_inv` float32, one scale per 128 x 128 block; config.json `quantization_config`
+with `weight_block_size` [128, 128]) convert as they ship, for a family whose record allows it
+(`HFConversion.fp8_checkpoints`: glm52): every FP8 weight keeps its bytes and its scales, under
+the model format's names (megatron_longstraw/fp8.py; fused rows such as `linear_fc1` =
+[gate; up] stack the parts' scale grids), no dequantised copy is written, and `--to-hf` writes
+them back byte for byte. `--dtype` applies to the other tensors. The launcher keeps them in FP8
+with `--longstraw-lora --longstraw-fp8-base`, and loads them dequantised otherwise.
 
 glm52 (transformers `glm_moe_dsa`): on disk HF keeps routed experts as
 `mlp.experts.{e}.{gate,up,down}_proj.weight` (transformers stacks them into `gate_up_proj` /
@@ -51,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_longstraw import model_format  # noqa: E402
+from megatron_longstraw import fp8, model_format  # noqa: E402
 from megatron_longstraw.families import FAMILIES, Family  # noqa: E402
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -116,6 +125,23 @@ def _check_model_type(family: Family, hf_cfg: dict, config_path: Path) -> None:
                           f"nothing else converts to --family {family.name}.")
 
 
+def _check_fp8_config(family: Family, hf_cfg: dict, where: Path, found: str) -> None:
+    """Refuse FP8 tensors the family's conversion cannot keep, or another block layout."""
+    if not family.hf.fp8_checkpoints:
+        allowed = sorted(f.name for f in FAMILIES.values() if f.hf.fp8_checkpoints)
+        raise ConversionError(f"{where} is FP8 block-quantised ({found}); FP8 checkpoints convert "
+                              f"as they ship for --family {', '.join(allowed)} only: dequantise "
+                              "this one to bf16 first.")
+    quant = hf_cfg.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if block is not None and list(block) != [fp8.BLOCK, fp8.BLOCK]:
+        raise ConversionError(f"{where / 'config.json'}: quantization_config.weight_block_size "
+                              f"{block}; only [128, 128] blocks are read: dequantise it first.")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ConversionError(f"{where / 'config.json'}: quantization_config.fmt "
+                              f"{quant.get('fmt')!r}; only e4m3 FP8 is read.")
+
+
 def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
     """Hugging Face directory of `family` -> model format. Returns a summary."""
     config_path = hf_dir / "config.json"
@@ -132,13 +158,15 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
             raise ConversionError(f"{config_path} declares dtype {declared!r}; pass --dtype "
                                   "bf16|fp32|fp64.")
     hf = model_format.SafetensorsReader(hf_weight_files(hf_dir))
-    quantised = [n for n in hf if n.endswith("_scale_inv") or hf.dtype_name(n).startswith("F8")]
-    if quantised:
-        raise ConversionError(f"{hf_dir} is FP8 block-quantised ({len(quantised)} tensors such as "
-                              f"{quantised[0]}); dequantise it to bf16 first.")
+    pairs = fp8.find_pairs(hf, hf.dtype_name, hf.shape, str(hf_dir))  # {FP8 weight: its scale}
+    if pairs:
+        _check_fp8_config(family, hf_cfg, hf_dir, f"{len(pairs)} FP8 weights such as "
+                                                  f"{next(iter(pairs))}")
     expected = _expected_hf_shapes(family, family.hf.text_config(hf_cfg))
-    on_disk = family.hf.text_names(cfg, list(hf))  # {mapping name: on-disk name}
+    scales = set(pairs.values())
+    on_disk = family.hf.text_names(cfg, [n for n in hf if n not in scales])  # {mapping: on disk}
     used: set[str] = set()
+    kinds: set[bool] = set()   # FP8 or not, of the tensors one correspondence reads
 
     def read(name: str) -> torch.Tensor:
         if name not in on_disk:
@@ -148,11 +176,31 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
             raise ConversionError(f"{hf_dir}: {disk} has shape {hf.shape(disk)}, but config.json "
                                   f"implies {expected[name]}.")
         used.add(name)
+        kinds.add(disk in pairs)
         return hf[disk]
+
+    def read_scale(name: str) -> torch.Tensor:
+        return hf[pairs[on_disk[name]]]
 
     tensors: dict[str, torch.Tensor] = {}
     for entry in family.hf.mapping(cfg):
-        for name, value in family.hf.to_ours(cfg, entry, read, dtype, on_disk):
+        kinds.clear()
+        converted = family.hf.to_ours(cfg, entry, read, dtype, on_disk)
+        if True in kinds:
+            if False in kinds or entry.kind not in ("copy", "cat", "stack"):
+                raise ConversionError(
+                    f"{hf_dir}: {', '.join(entry.hf)} -> {', '.join(entry.meg[:2])}"
+                    f"{', ...' if len(entry.meg) > 2 else ''}: FP8 weights in a '{entry.kind}' "
+                    f"correspondence{' mixed with unquantised ones' if False in kinds else ''} "
+                    "cannot keep their FP8 bytes; dequantise the checkpoint to bf16 first.")
+            # The same rearrangement (whole tensors, row blocks) applied to the scales.
+            converted_scales = dict(family.hf.to_ours(cfg, entry, read_scale, dtype, on_disk))
+        for name, value in converted:
+            if value.dtype == fp8.FP8_DTYPE:   # kept as stored, with its stacked scale grids
+                scale = converted_scales[name].contiguous()
+                fp8.check_pair(name, value, scale, fp8.row_parts(name))
+                tensors[name], tensors[fp8.scale_name(name)] = value.contiguous(), scale
+                continue
             target = torch.float32 if name.endswith(family.hf.float32_names) else dtype
             tensors[name] = value.to(target).contiguous()
     if cfg.tie_word_embeddings and "lm_head.weight" in on_disk:
@@ -163,13 +211,15 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
     if unknown:
         raise ConversionError(f"{hf_dir} has {len(unknown)} tensors with no place in the model, "
                               f"e.g. {[on_disk[n] for n in unknown[:5]]}.")
+    fp8_meta = {"fp8": {"format": "float8_e4m3fn", "weight_block_size": [fp8.BLOCK, fp8.BLOCK],
+                        "num_weights": len(pairs)}} if pairs else {}
     model_format.write_model(out, tensors, family.name, cfg.to_dict(), dtype,
                            layout={"world_size": 1, "context_parallel_size": 1,
                                    "expert_parallel_size": 1, "data_parallel_size": 1},
                            source=str(hf_dir.resolve()),
                            # --to-hf restores what the model config does not carry (token ids).
-                           extra_meta={"hf_config": hf_cfg})
-    return {"tensors": len(tensors), "skipped": len(hf) - len(on_disk),
+                           extra_meta={"hf_config": hf_cfg, **fp8_meta})
+    return {"tensors": len(tensors), "skipped": len(hf) - len(scales) - len(on_disk),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
@@ -203,25 +253,42 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
         config = family.hf.hf_config(cfg)
     config.architectures = [family.hf.hf_model_class]
     config.dtype = dtype
+    pairs = fp8.find_pairs(tensors, tensors.dtype_name, tensors.shape, str(model_dir),
+                           fp8.row_parts)   # {FP8 weight: its scale}
+    if pairs:
+        _check_fp8_config(family, stored or {}, model_dir, f"{len(pairs)} FP8 weights such as "
+                                                           f"{next(iter(pairs))}")
+        if getattr(config, "quantization_config", None) is None:
+            config.quantization_config = dict(fp8.QUANTIZATION_CONFIG)
     expected = _expected_hf_shapes(family, config.to_dict())
 
-    # (hf name, model-format name, transform of the model-format tensor)
+    # (hf name, model-format name, transform of the model-format tensor); an FP8 weight's scale
+    # grid follows it through the same transform (whole tensors, equal row parts).
     plan = [item for entry in family.hf.mapping(cfg) for item in family.hf.to_hf(cfg, entry)]
+    plan += [(fp8.scale_name(hf_name), pairs[meg], transform)
+             for hf_name, meg, transform in plan if meg in pairs]
     missing = sorted({meg for _, meg, _ in plan} - set(tensors))
     if missing:
         raise ConversionError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:5]}.")
+    scales = {fp8.scale_name(hf_name) for hf_name, meg, _ in plan if meg in pairs}
+    for name in scales:
+        expected[name] = fp8.scale_shape(*expected[name[:-len(fp8.SCALE_SUFFIX)]])
 
-    def out_dtype(hf_name: str) -> torch.dtype:
-        return torch.float32 if hf_name.endswith(family.hf.float32_names) else dtype
+    def out_dtype(hf_name: str, meg: str) -> torch.dtype:
+        if meg in pairs:
+            return fp8.FP8_DTYPE
+        if hf_name in scales or hf_name.endswith(family.hf.float32_names):
+            return torch.float32
+        return dtype
 
-    def nbytes(hf_name: str) -> int:
+    def nbytes(hf_name: str, meg: str) -> int:
         return (int(torch.Size(expected[hf_name]).numel())
-                * torch.empty((), dtype=out_dtype(hf_name)).element_size())
+                * torch.empty((), dtype=out_dtype(hf_name, meg)).element_size())
 
     shards: list[list[tuple[str, str, Transform]]] = [[]]
     size = 0
     for item in plan:
-        n = nbytes(item[0])
+        n = nbytes(item[0], item[1])
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -242,7 +309,7 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
         for file_name, shard in zip(names, shards):
             out = {}
             for hf_name, meg, transform in shard:  # one shard in memory at a time
-                value = transform(tensors[meg]).to(out_dtype(hf_name))
+                value = transform(tensors[meg]).to(out_dtype(hf_name, meg))
                 if tuple(value.shape) != expected[hf_name]:
                     raise ConversionError(f"{model_dir}: {meg} gives {hf_name} of shape "
                                           f"{tuple(value.shape)}, but the config implies "

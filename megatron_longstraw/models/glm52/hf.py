@@ -181,4 +181,4 @@ HF_CONVERSION = HFConversion(
     hf_config=hf_config, mapping=_mapping, text_config=hf_common.text_config,
     text_names=hf_common.text_names_without_mtp, to_ours=hf_common.to_ours,
     to_hf=hf_common.to_hf, expert_names=hf_common.expert_slot,
-    float32_names=hf_common.ROUTER_FLOAT32_NAMES)
+    float32_names=hf_common.ROUTER_FLOAT32_NAMES, fp8_checkpoints=True)
