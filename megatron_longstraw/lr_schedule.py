@@ -9,6 +9,12 @@ it for iteration-based training (`--train-iters`):
     (constant: --weight-decay throughout, as Megatron's validate_args sets it),
     --use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler on resume.
 
+`--decoupled-lr` / `--decoupled-min-lr` (Megatron's "separate learning rate for the input and output
+layer"): the trainable parameters Megatron marks `is_embedding_or_output_parameter` (the word
+embeddings and the output layer, LanguageModule.setup_embeddings_and_output_layer) form their own
+optimizer group whose `max_lr` / `min_lr` the scheduler follows (megatron/core/optimizer
+`_get_param_groups` does the same), on the same warm-up and decay.
+
 One LongStraw step is one optimizer step (Megatron counts samples, iterations x global batch;
 the schedule's shape is the same). The LR of step k is the scheduler's value after k increments:
 `step()` is called once after every optimizer step that was applied (a skipped step does not
@@ -22,6 +28,29 @@ from megatron_longstraw.errors import CheckpointError, ConfigError
 
 DEFAULT_LR = 1e-6
 STATE_KEY = "opt_param_scheduler"
+
+
+def param_groups(params: list, args) -> list:
+    """The optimizer's parameter groups: one, or with `--decoupled-lr` two, the second the
+    embedding and output-layer parameters with their own `max_lr` (and `min_lr` from
+    `--decoupled-min-lr`, else `--min-lr`)."""
+    decoupled = getattr(args, "decoupled_lr", None)
+    if decoupled is None:
+        if getattr(args, "decoupled_min_lr", None) is not None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr.")
+        return params
+    io = [p for p in params if getattr(p, "is_embedding_or_output_parameter", False)]
+    if not io:
+        raise ConfigError("--decoupled-lr sets the learning rate of the embedding and output "
+                          "layer, and neither is trained here (LoRA trains adapters only): drop "
+                          "the flag.")
+    min_lr = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+    if not 0.0 <= min_lr <= decoupled:
+        raise ConfigError(f"--decoupled-min-lr {min_lr:g} must lie in [0, --decoupled-lr "
+                          f"{decoupled:g}].")
+    ids = {id(p) for p in io}
+    return [{"params": [p for p in params if id(p) not in ids]},
+            {"params": io, "max_lr": decoupled, "min_lr": min_lr}]
 
 
 def build_scheduler(args, optimizer, train_iters: int):

@@ -95,7 +95,35 @@ def test_lr_schedule_follows_megatron_and_survives_resume(tmp_path, steps):
         train.main(_flags(tmp_path, *changed, "--train-iters", "5", "--load", ckpt))
 
 
+@pytest.mark.usefixtures("single_process")
+def test_decoupled_lr_gives_embedding_and_output_their_own_schedule(tmp_path, monkeypatch):
+    """--decoupled-lr / --decoupled-min-lr (Megatron's): the word embeddings and the output layer
+    (Megatron's `is_embedding_or_output_parameter`) follow the same warm-up and cosine decay
+    between their own bounds; every other parameter follows --lr / --min-lr."""
+    groups = []
+    real = schedule.train_step
+
+    def spy(model, optimizer, *args, **kwargs):
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups.append([(g["lr"], sorted(names[id(p)] for p in g["params"]))
+                       for g in optimizer.param_groups])
+        return real(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(schedule, "train_step", spy)
+    train.main(_flags(tmp_path, *SCHEDULE, "--train-iters", "3", "--decoupled-lr", "5e-2",
+                      "--decoupled-min-lr", "5e-3"))
+    body = _reference(3)
+    io = [(lr * 5, wd) for lr, wd in body]   # the same shape between 5x the bounds (init 0)
+    assert [g[0][0] for g in groups] == pytest.approx([lr for lr, _ in body], rel=1e-12)
+    assert [g[1][0] for g in groups] == pytest.approx([lr for lr, _ in io], rel=1e-12)
+    io_names = groups[0][1][1]
+    assert io_names and all("embedding" in n or "output_layer" in n for n in io_names)
+    assert not any("embedding" in n or "output_layer" in n for n in groups[0][0][1])
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--decoupled-min-lr", "1e-3"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--decoupled-lr", "1e-2", "--longstraw-lora"], "neither is trained here"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 must lie in"),
     (["--lr-warmup-iters", "9", "--train-iters", "3"], "must be shorter than the decay"),
     (["--weight-decay-incr-style", "linear"], "needs both --start-weight-decay"),
