@@ -7,7 +7,8 @@ full-width GLM-5.2 and Qwen3.6 on one GPU (under 8 minutes on an H100/H200).
    usable here;
 2. the Triton sparse-MLA kernels in Triton's CPU interpreter (tiny shape; runs everywhere);
 3. parity: each usable backend against its reference on fresh random inputs at GLM-5.2 shapes
-   (relative error against an fp64 reference, tolerance by dtype: kernels/parity.py);
+   (relative error against an fp64 reference, tolerance by dtype: kernels/parity.py), and
+   DeepGEMM's FP8 GEMM (the FP8 base's) against `fp8.linear` on the same FP8 activations;
 4. timing: each backend and its reference, median of repeats after warm-up;
 5. Qwen3.6 Gated DeltaNet: FLA's Triton `chunk_gated_delta_rule` (what Megatron's GatedDeltaNet
    runs on a GPU) and Megatron's `torch_chunk_gated_delta_rule` in fp32 against the same algorithm
@@ -54,8 +55,8 @@ from device_checks.common import RESULTS, run_section, say  # noqa: E402
 from device_checks.environment import environment  # noqa: E402
 from device_checks.gdn import TINY_GDN, qwen36_gdn_parity  # noqa: E402, F401 - TINY_GDN: tests
 from device_checks.kernels import (  # noqa: E402
-    indexer_parity_and_timing, sparse_mla_parity, sparse_mla_timing, te_and_apex,
-    triton_interpreter,
+    fp8_gemm_parity_and_timing, indexer_parity_and_timing, sparse_mla_parity, sparse_mla_timing,
+    te_and_apex, triton_interpreter,
 )
 from device_checks.steps import model_step, qwen36_step  # noqa: E402
 
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
         run_section("sparse MLA parity (GPU)", sparse_mla_parity)
         run_section("sparse MLA timing (GPU)", sparse_mla_timing)
         run_section("indexer parity and timing (GPU)", indexer_parity_and_timing)
+        run_section("FP8 GEMM parity and timing (GPU)", fp8_gemm_parity_and_timing)
         run_section("TransformerEngine, apex, DeepEP", te_and_apex)
     run_section("qwen36 GDN kernel parity",
                 lambda: qwen36_gdn_parity(deadline=START + args.budget_s))

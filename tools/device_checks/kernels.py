@@ -1,7 +1,7 @@
 """Parts 2-4 of tools/device_check.py: the Triton sparse-MLA kernels in Triton's CPU interpreter
 (tiny shape; runs everywhere); on the GPU, parity of each usable backend (Triton and FlashMLA
-sparse MLA, the DeepGEMM indexer, TransformerEngine, apex) against its reference at GLM-5.2
-shapes, and timing of each against its reference."""
+sparse MLA, the DeepGEMM indexer and FP8 GEMM, TransformerEngine, apex) against its reference at
+GLM-5.2 shapes, and timing of each against its reference."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from megatron_longstraw import fp8
 from megatron_longstraw.kernels import parity, refs, select
 
 from .common import REPO, RESULTS, check, median_ms, say
@@ -121,6 +122,35 @@ def indexer_parity_and_timing() -> dict:
         result[f"{name}_topk_ms"] = median_ms(lambda: fn(*args), warmup=2, repeats=5)
         say(f"    indexer_topk {name:9s} {result[f'{name}_topk_ms']:8.2f} ms "
             "(1024 queries, 16384 keys, 32 heads x 128)")
+    return result
+
+
+def fp8_gemm_parity_and_timing() -> dict:
+    """DeepGEMM's fp8_gemm_nt (the `fp8_gemm` part) against fp8.linear at a GLM-5.2 expert's
+    linear_fc1 shape ([4096, 6144] block-FP8 weight, 2048 tokens). Against the reference on the
+    same FP8 activations the kernel differs only by its fp32 accumulation and bf16 output (2^-9
+    relative per element): tolerance 1e-2; against the unquantised activations add e4m3's
+    rounding of x (reported)."""
+    reason = select.unusable_reason("deepgemm")
+    if reason is not None or torch.cuda.get_device_capability()[0] != 9:
+        why = reason or "fp8_gemm_nt takes fp32 block scales unchanged on SM90 only"
+        say(f"  skipped: deepgemm fp8_gemm {why}")
+        return {"skipped": why}
+    from megatron_longstraw.kernels import deepgemm
+
+    q, s = fp8.quantize(0.02 * torch.randn(4096, 6144, device="cuda"))
+    x = torch.randn(2048, 6144, device="cuda").bfloat16()
+    x_fp8, sx = deepgemm.per_token_cast_to_fp8(x)
+    x_dq = x_fp8.float() * sx.repeat_interleave(128, dim=1)
+    out = deepgemm.fp8_linear(x, q, s)
+    result = check("deepgemm fp8_gemm_nt vs fp8.linear (same fp8 activations)",
+                   {"out": parity.relative_error(out, fp8.linear(x_dq.double(), q, s))}, 1e-2)
+    result["vs_unquantised_x"] = parity.relative_error(out, fp8.linear(x.double(), q, s))
+    for name, fn in (("ref", fp8.linear), ("deepgemm", deepgemm.fp8_linear)):
+        result[f"{name}_ms"] = median_ms(lambda: fn(x, q, s))
+    say(f"    relative error vs unquantised activations {result['vs_unquantised_x']:.2e}; "
+        f"ref {result['ref_ms']:.2f} ms, deepgemm {result['deepgemm_ms']:.2f} ms "
+        "(2048 x 6144 @ 6144 x 4096)")
     return result
 
 
