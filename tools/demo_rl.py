@@ -104,7 +104,8 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
                            "guess over the model's vocabulary (the untrained policy); "
                            "best_blind: always answering the most frequent answer of the data"},
         "settings": {k: getattr(args, k) for k in (
-            "config", "prompt_len", "group_size", "batch", "steps", "lr", "num_prompts",
+            "config", "prompt_len", "group_size", "batch", "steps", "lr", "decoupled_lr",
+            "num_prompts",
             "temperature", "parallel")},
         "criterion": check,
         "seeds": seeds,
@@ -237,6 +238,7 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
             "--longstraw-temperature", str(args.temperature),
             "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", "constant",
             "--clip-grad", "1.0", "--train-iters", str(args.steps),
+            *(["--decoupled-lr", str(args.decoupled_lr)] if args.decoupled_lr else []),
             "--global-batch-size", str(args.batch), "--seed", str(seed),
             "--no-longstraw-data-shuffle", "--no-longstraw-live-bytes",
             "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
@@ -284,7 +286,11 @@ def parse_args(argv=None):
     p.add_argument("--evidence-fraction", type=float, default=0.5,
                    help="Markers sit in this leading fraction of the prompt; the rest is filler.")
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-4,
+                   help="Learning rate of every parameter but the embedding and output layer.")
+    p.add_argument("--decoupled-lr", type=float, default=2e-2,
+                   help="Learning rate of the embedding and output layer (Megatron's "
+                        "--decoupled-lr); 0: --lr for them too.")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--parallel", type=int, default=2, help="Runs at a time (one process each).")
     p.add_argument("--min-gain", type=float, default=0.25,
