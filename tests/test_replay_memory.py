@@ -115,8 +115,13 @@ def test_the_meter_catches_a_prompt_backward_gradient_over_the_whole_key_axis(mo
     chunked delta rule, larger than these keys at this P; observed: DeepSeek-V3 0.76 MB flat,
     1.8 -> 16 MB with whole keys)."""
     from megatron_longstraw.kernels import refs
+    from megatron_longstraw.models import partials
+
+    streamed = refs.streamed_attention
 
     def whole(q, source, q_pos, scale, key_block):
+        if not isinstance(source, partials.PageKeys):   # streamed capture's page windows
+            return streamed(q, source, q_pos, scale, key_block)
         keys = source.keys.detach().requires_grad_()
         values = source.values.detach().requires_grad_()
 

@@ -373,3 +373,35 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     grouped = q.reshape(q.shape[0], groups, q.shape[1] // groups, q.shape[2])
     out, lse = _BlockwiseAttention.apply(grouped, k, v, q_pos, k_pos, scale, key_block)
     return out.reshape(q.shape[0], q.shape[1], v.shape[-1]), lse.reshape(q.shape[0], q.shape[1])
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                               output_final_state: bool = False,
+                               use_qk_l2norm_in_kernel: bool = False):
+    """The gated delta rule token by token (transformers' `torch_recurrent_gated_delta_rule`),
+    with the arguments and results of Megatron-Core's `torch_chunk_gated_delta_rule`: q, k [B, T,
+    H, d_k], v [B, T, H, d_v], g (log decay), beta [B, T, H]; state [B, H, d_k, d_v]. Per token:
+
+        S = exp(g_t) S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (q_t / sqrt(d_k))
+
+    The chunked form pads every call to a chunk of 64 tokens and solves a 64 x 64 triangular
+    system token by token; for the few tokens of a decode step or a short branch this is the same
+    rule without that work. Computed in float32, or float64 for float64 inputs (as the chunked
+    form under `precision.use_dtype(float64)`). -> (out [B, T, H, d_v] in q's dtype, final state
+    or None)"""
+    if use_qk_l2norm_in_kernel:
+        raise ValueError("recurrent_gated_delta_rule expects q and k l2-normalised already.")
+    acc = torch.promote_types(q.dtype, torch.float32)
+    query, key, value, beta, g = (x.transpose(1, 2).to(acc) for x in (q, k, v, beta, g))
+    query = query * query.shape[-1] ** -0.5
+    state = (torch.zeros(*key.shape[:2], key.shape[-1], value.shape[-1], dtype=acc,
+                         device=q.device) if initial_state is None else initial_state.to(acc))
+    outputs = []
+    for t in range(key.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        delta = (value[:, :, t] - (state * key[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
+        state = state + key[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append((state * query[:, :, t, :, None]).sum(-2))
+    out = torch.stack(outputs, dim=2).transpose(1, 2).contiguous().to(q.dtype)
+    return out, (state if output_final_state else None)

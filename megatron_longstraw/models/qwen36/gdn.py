@@ -44,11 +44,16 @@ from megatron.core.ssm.gated_delta_net.common import (
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
 from megatron_longstraw.parallel import HeadParallel
+from megatron_longstraw.kernels import refs
 from megatron_longstraw.memory import note_host
 from megatron_longstraw.state import AttentionPass
 
 GDN_STATE = "gdn_state"  # fixed page kind: recurrent state [H_v, d_k, d_v] after the prefix
 CONV_TAIL = "conv_tail"  # fixed page kind: last kernel - 1 conv inputs [kernel - 1, conv_dim]
+
+
+RECURRENT_MAX_TOKENS = 8
+"""Up to this many tokens per call, on CPU, the delta rule runs token by token (`_mix`)."""
 
 
 class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
@@ -252,7 +257,12 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         g, beta = self._compute_g_and_beta(get_parameter_local_cp(self.A_log, 0, cp_group),
                                            get_parameter_local_cp(self.dt_bias, 0, cp_group),
                                            alpha, beta)
-        core, final_state = self.gated_delta_rule(
+        # A few tokens on CPU (decode steps, short branches): the same rule token by token,
+        # without the chunked form's 64-token padding (refs.recurrent_gated_delta_rule).
+        rule = (refs.recurrent_gated_delta_rule
+                if num_tokens <= RECURRENT_MAX_TOKENS and not query.is_cuda
+                else self.gated_delta_rule)
+        core, final_state = rule(
             query, key, value, g=g, beta=beta, initial_state=recurrent,
             output_final_state=keep_state, use_qk_l2norm_in_kernel=False)
         normed = self._apply_gated_norm(core, gate)                         # [n * H_v, d_v]
