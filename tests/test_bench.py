@@ -26,7 +26,7 @@ def test_bench_one_point_both_methods(tmp_path):
     data, stdout = _run(tmp_path, "--points", "128", "--groups", "2", "--response-len", "4",
                         "--jobs", "2")
     results = {r["method"]: r for r in data["results"]}
-    assert set(results) == {"longstraw", "longstraw-exact", "conventional"}
+    assert set(results) == {"longstraw", "longstraw-exact", "conventional", "forward"}
     assert not any("error" in r for r in results.values()), results
     ls, conv = results["longstraw"], results["conventional"]
     # Pages of the tiny GLM-5.2 in fp32: 127 captured rows x (8 x 40 + 4 x 16) values x 4 bytes.
@@ -54,6 +54,12 @@ def test_bench_one_point_both_methods(tmp_path):
     assert "Exact vs detached prompt gradient" in table
     assert "| longstraw | 128 | 2 |" in table and "| conventional | 128 | 2 |" in table
     assert "Conventional recompute:" in table and table.strip() in stdout
+    # Capture against a no-grad forward of the prompt alone, both timed.
+    versus = data["summary"]["capture_vs_forward"]["P=128"]
+    assert versus["capture_seconds"] > 0 and versus["forward_seconds"] > 0
+    assert versus["ratio"] == versus["capture_seconds"] / versus["forward_seconds"]
+    assert results["forward"]["page_bytes"] == 0
+    assert "against one no-grad forward of the prompt" in table
     png = (tmp_path / "bench_memory.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
     width, height = struct.unpack(">II", png[16:24])

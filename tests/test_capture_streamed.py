@@ -10,10 +10,10 @@ the device), kept as the reference.
 Memory is measured from the allocator (memory.LiveBytesMeter with `exclude_host`: the pages, the
 residual stream, the selections and the exact gradient's inputs are host storage, named by their
 owners with `memory.note_host`, and left out, as the CUDA counters leave out pinned host memory).
-What remains is what a device would hold. From P to 4P it may grow by the capture's two index
-tables over the prompt: the rows' positions and token ids (int64, 16 B per token); everything
-else is per block. The whole-prompt schedule grows by layers of rows per token, and the same
-meter shows it."""
+What remains is what a device would hold. From P to 4P it grows by the rows' positions (int64, 8 B
+per token: the planner's one prompt-sized device line); with the exact gradient's inputs at most
+by the index tables (positions and token ids, 16 B per token); everything else is per block. The
+whole-prompt schedule grows by layers of rows per token, and the same meter shows it."""
 
 import pytest
 import torch
@@ -52,22 +52,19 @@ def fp64_model(request):
     return request.param, *_build(request.param, torch.float64)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["detached", "exact"])
-def test_streamed_capture_equals_whole_capture_bitwise(fp64_model, exact):
-    """fp64, a prompt of 301 tokens (5 token blocks, the last partial): every page (every layer
-    and kind), and with the exact gradient every layer input, top-k selection and GDN block
-    boundary, equal bitwise."""
+def test_streamed_capture_equals_whole_capture_bitwise(fp64_model):
+    """fp64, a prompt of 301 tokens (5 token blocks, the last partial), with the exact gradient's
+    inputs kept (what it keeps changes no page): every page (every layer and kind), every layer
+    input, top-k selection and GDN block boundary, equal bitwise."""
     family, cfg, model = fp64_model
     ids = _prompt(cfg, 301)
-    whole, streamed = (_capture(model, ids, mode, exact) for mode in ("whole", "streamed"))
+    whole, streamed = (_capture(model, ids, mode, exact=True) for mode in ("whole", "streamed"))
     keys = [(layer, kind) for layer in whole.pages.layers() for kind in whole.pages.kinds(layer)]
     assert keys == [(layer, kind) for layer in streamed.pages.layers()
                     for kind in streamed.pages.kinds(layer)]
     for layer, kind in keys:
         assert torch.equal(whole.pages.fetch(layer, kind), streamed.pages.fetch(layer, kind)), \
             (family, layer, kind)
-    if not exact:
-        return
     a, b = whole.backward, streamed.backward
     assert len(a.layer_inputs) == len(b.layer_inputs) == cfg.num_hidden_layers
     assert all(torch.equal(x, y) for x, y in zip(a.layer_inputs, b.layer_inputs))
@@ -81,67 +78,59 @@ def test_streamed_capture_equals_whole_capture_bitwise(fp64_model, exact):
                 assert (x[kind] is None and y[kind] is None) or torch.equal(x[kind], y[kind])
 
 
-def _device_peak(model, ids, mode, exact):
-    with LiveBytesMeter("cpu", exclude_host=True) as meter:
-        captured = _capture(model, ids, mode, exact)
-    del captured
-    return meter.peak_bytes
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_streamed_capture_device_bytes_flat_from_p_to_4p(family):
-    """fp32, P = 256 and 1024 (token blocks of 64): the device peak grows by at most the two
-    index tables (16 B per added token), detached and exact; the whole-prompt schedule grows by
-    far more (the meter sees the difference)."""
-    cfg, model = _build(family, torch.float32)
-    _capture(model, _prompt(cfg, 64), "streamed", exact=True)      # warm-up: one-time allocations
-    P = 256
-    bound = INDEX_TABLE_BYTES * 3 * P
-    for exact in (False, True):
-        at_p, at_4p = (_device_peak(model, _prompt(cfg, n), "streamed", exact) for n in (P, 4 * P))
-        print(f"{family} {'exact' if exact else 'detached'}: streamed capture device peak "
-              f"{at_p} B at P={P}, {at_4p} B at 4P (growth {at_4p - at_p} B, bound {bound} B)")
-        assert at_p > 0
-        assert at_4p - at_p <= bound
-    whole_p, whole_4p = (_device_peak(model, _prompt(cfg, n), "whole", False) for n in (P, 4 * P))
-    print(f"{family}: whole capture {whole_p} B -> {whole_4p} B")
-    assert whole_4p - whole_p > 10 * bound
-
-
 def test_streamed_capture_refuses_unknown_schedule():
     with pytest.raises(ValueError, match="capture must be 'streamed' or 'whole'"):
         LongStrawConfig(group_size=2, capture="ring")
 
 
+def _device_peak(model, ids, mode, exact=False, page_tokens=128):
+    """(device peak, host peak, the capture) of one capture, the prompt made by the caller."""
+    ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=page_tokens, **BLOCKS)
+    with LiveBytesMeter("cpu", exclude_host=True) as meter:
+        captured = capture_prompt(model, ids, ls, keep_for_backward=exact)
+    return meter.peak_bytes, meter.host_peak_bytes, captured
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_planner_streamed_capture_lines_checked_against_the_meter(family):
-    """The planner's streamed-capture lines (CP 1) against a capture measured by the live-bytes
-    meter, fp32, at two prompt lengths: the host peak is the pages (allocated) plus the planner's
-    capture host lines (residual stream; DSA: the latest full layer's selection), exactly; the
-    device peak grows from P to 4P by exactly the planner's one prompt-sized device line (the
-    positions table)."""
+def test_streamed_capture_device_bytes_flat_and_the_planner_lines(family):
+    """fp32, P = 257 and 1025 (token blocks of 64, pages of 128 rows):
+    - streamed capture's device peak grows by exactly the planner's one prompt-sized device line,
+      the positions table (8 B per added token), and the host peak is the pages (allocated) plus
+      the planner's capture host lines (residual stream; DSA: the latest full layer's
+      selection), exactly, at both lengths;
+    - with the exact gradient's inputs kept (host), the device peak grows by at most the index
+      tables (16 B per added token);
+    - the whole-prompt schedule grows by far more (the meter tells them apart)."""
     from megatron_longstraw import planner
 
     cfg, model = _build(family, torch.float32)
-    _capture(model, _prompt(cfg, 64), "streamed")                    # warm-up
-    ls = LongStrawConfig(group_size=2, page_tokens=128, **BLOCKS)
-    measured, planned = {}, {}
-    for prompt_len in (257, 1025):
-        ids = _prompt(cfg, prompt_len)   # the caller's prompt: made before the meter starts
-        with LiveBytesMeter("cpu", exclude_host=True) as meter:
-            captured = capture_prompt(model, ids, ls)
+    _capture(model, _prompt(cfg, 64), "streamed", exact=True)      # warm-up: one-time allocations
+    lengths = (257, 1025)
+    added = lengths[1] - lengths[0]
+    peaks, planned = {}, {}
+    for prompt_len in lengths:
+        device, host, captured = _device_peak(model, _prompt(cfg, prompt_len), "streamed")
         spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len, group_size=2,
                                 response_len=16, weight_bytes=4, act_bytes=4, latent_bytes=4,
-                                index_key_bytes=4, page_tokens=ls.page_tokens, **BLOCKS)
+                                index_key_bytes=4, page_tokens=128, **BLOCKS)
         plan = planner.plan(spec, search_max=False)
         capture_host = [i for i in plan.host_items if i.name.startswith("capture")]
         assert capture_host and all(i.measured for i in capture_host)
-        assert meter.host_peak_bytes == (captured.pages.nbytes(allocated=True)
-                                         + sum(i.bytes for i in capture_host)), family
         assert plan.host_page_bytes_per_rank == captured.pages.nbytes(allocated=True)
-        tables = {name: sum(i.bytes for i in items if i.measured)
+        assert host == captured.pages.nbytes(allocated=True) + sum(i.bytes for i in capture_host)
+        tables = {sum(i.bytes for i in items if i.measured)
                   for name, items in plan.phases.items() if name.startswith("capture")}
-        assert len(set(tables.values())) == 1          # every capture phase holds the same table
-        measured[prompt_len], planned[prompt_len] = meter.peak_bytes, tables.popitem()[1]
+        assert len(tables) == 1            # every capture phase holds the same table
+        peaks[prompt_len], planned[prompt_len] = device, tables.pop()
         del captured
-    assert measured[1025] - measured[257] == planned[1025] - planned[257] == 8 * 768
+    growth = peaks[lengths[1]] - peaks[lengths[0]]
+    print(f"{family}: streamed capture device peak {peaks[lengths[0]]} B at P={lengths[0]}, "
+          f"{peaks[lengths[1]]} B at P={lengths[1]} (growth {growth} B, planned "
+          f"{planned[lengths[1]] - planned[lengths[0]]} B)")
+    assert growth == planned[lengths[1]] - planned[lengths[0]] == 8 * added
+
+    exact = [_device_peak(model, _prompt(cfg, n), "streamed", exact=True)[0] for n in lengths]
+    whole = [_device_peak(model, _prompt(cfg, n), "whole")[0] for n in lengths]
+    print(f"{family}: exact {exact[0]} -> {exact[1]} B, whole capture {whole[0]} -> {whole[1]} B")
+    assert exact[1] - exact[0] <= INDEX_TABLE_BYTES * added
+    assert whole[1] - whole[0] > 10 * INDEX_TABLE_BYTES * added

@@ -22,6 +22,9 @@ Methods (each point (method, P, G) runs in a fresh process: `bench.py --one ...`
   (The whole group in one graph is not offered: with recompute, the attention's implicit full pass
   keeps IndexShare selections in class-level state, so interleaved recomputes of several live
   graphs read another sequence's top-k; one graph at a time, as here, is unaffected.)
+- forward: one no-grad plain forward of the prompt alone (`model(prompt[None])`, the LM head
+  included): what capture is timed against ("streaming costs no time": the report gives LongStraw's
+  capture seconds over it at each P both ran).
 Both use the same attention blocks (query 1024, key 4096: the plain forward's defaults). Neither
 method runs the optimizer step (the same cost for both). Children run with
 OMP_NUM_THREADS=1 and MALLOC_MMAP_THRESHOLD_=1048576 (RSS drift).
@@ -49,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MiB = 2 ** 20
-METHODS = ("longstraw", "longstraw-exact", "conventional")
+METHODS = ("longstraw", "longstraw-exact", "conventional", "forward")
 
 
 # ---- one point (child process) ------------------------------------------------------------------
@@ -154,7 +157,7 @@ def run_one(args) -> dict:
     recompute = "whole-decoder-layer checkpointing in replay (replay.py)"
     if args.method == "longstraw-exact":
         ls.prompt_grad = "exact"
-    elif args.method != "longstraw":
+    elif args.method == "conventional":
         model.config.recompute_granularity = "full"
         model.config.recompute_method = "uniform"
         model.config.recompute_num_layers = 1
@@ -163,7 +166,12 @@ def run_one(args) -> dict:
     base_rss = current_rss_bytes()
     start = time.perf_counter()
     with SavedTensorMeter(model) as meter, LiveBytesMeter("cpu") as live:
-        if args.method.startswith("longstraw"):
+        if args.method == "forward":
+            with torch.no_grad():
+                model(group.prompt_ids[None], None, None)
+            out = {"logps": [], "phase_seconds": {"forward": time.perf_counter() - start},
+                   "loss": 0.0, "page_bytes": 0}
+        elif args.method.startswith("longstraw"):
             result = forward_backward_longstraw(model, group, ls)
             out = {"logps": result.logps, "phase_seconds": result.phase_seconds,
                    "loss": result.loss, "page_bytes": result.page_bytes}
@@ -180,6 +188,8 @@ def run_one(args) -> dict:
         "live_peak_bytes": live.peak_bytes, "live_phase_bytes": live.phase_peaks,
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
+        "capture_blocks": {"token_block": ls.token_block, "query_block": ls.query_block,
+                           "key_block": ls.key_block, "capture": ls.capture},
         "param_checksum": checksum, "threads": torch.get_num_threads(),
     }
 
@@ -231,8 +241,8 @@ def summarise(results: list[dict], cap_bytes: int, fit_min_prompt: int = 4096) -
     groups = sorted({r["group_size"] for r in ok})
     summary: dict = {"cap_bytes": cap_bytes, "largest_prompt_under_cap": {},
                      "memory_g_growth": {}, "step_time_ratio": {}, "fidelity": {},
-                     "exact_vs_detached": {}}
-    for method in methods:
+                     "exact_vs_detached": {}, "capture_vs_forward": {}}
+    for method in [m for m in methods if m != "forward"]:
         slopes = {}
         for g in groups:
             pts = sorted((p, r["peak_rss_bytes"]) for (m, p, gg), r in by.items()
@@ -287,6 +297,13 @@ def summarise(results: list[dict], cap_bytes: int, fit_min_prompt: int = 4096) -
                 "live_peak_ratio": r["live_peak_bytes"] / max(detached["live_peak_bytes"], 1),
                 "live_phase_bytes_exact": r["live_phase_bytes"],
                 "live_phase_bytes_detached": detached["live_phase_bytes"]}
+    for (m, p, g), r in by.items():
+        forward = by.get(("forward", p, g))
+        if m == "longstraw" and forward:
+            summary["capture_vs_forward"][f"P={p}"] = {
+                "capture_seconds": r["phase_seconds"]["capture"],
+                "forward_seconds": forward["phase_seconds"]["forward"],
+                "ratio": r["phase_seconds"]["capture"] / forward["phase_seconds"]["forward"]}
     lim = summary["largest_prompt_under_cap"]
     for g in groups:
         ls, conv = lim.get(f"longstraw G={g}", {}), lim.get(f"conventional G={g}", {})
@@ -345,6 +362,12 @@ def markdown(results: list[dict], summary: dict) -> str:
             phases = ", ".join(f"{ph} {ex[ph] / MiB:.1f} / {de.get(ph, 0) / MiB:.1f}" for ph in ex)
             lines.append(f"- {key}: time x{v['step_time_ratio']:.2f}, live x"
                          f"{v['live_peak_ratio']:.2f} ({phases})")
+    if summary["capture_vs_forward"]:
+        lines += ["", "LongStraw's capture (streamed on one process) against one no-grad forward of "
+                  "the prompt, same process settings:"]
+        lines += [f"- {k}: capture {v['capture_seconds']:.2f} s / forward "
+                  f"{v['forward_seconds']:.2f} s = x{v['ratio']:.2f}"
+                  for k, v in summary["capture_vs_forward"].items()]
     return "\n".join(lines)
 
 
@@ -358,7 +381,7 @@ _COLORS = {"longstraw": (31, 119, 180), "longstraw-exact": (44, 160, 44),
 def _series(results):
     series = {}
     for r in results:
-        if "error" not in r:
+        if "error" not in r and r["method"] in _COLORS:
             series.setdefault((r["method"], r["group_size"]), []).append(
                 (r["prompt_len"], r["peak_rss_bytes"] / MiB))
     return {k: sorted(v) for k, v in sorted(series.items())}
@@ -407,7 +430,7 @@ def parse_args(argv=None):
                         "32K; quick: 12K)")
     p.add_argument("--groups", default="2,8")
     p.add_argument("--response-len", type=int, default=32)
-    p.add_argument("--methods", default="longstraw,longstraw-exact,conventional")
+    p.add_argument("--methods", default="longstraw,longstraw-exact,conventional,forward")
     p.add_argument("--large-group-max-prompt", type=int, default=None,
                    help="run groups larger than the smallest only at P up to this")
     p.add_argument("--fit-min-prompt", type=int, default=4096,
@@ -453,6 +476,9 @@ def main(argv=None) -> dict:
             if (m == "longstraw" or not args.conventional_max_prompt or p <= args.conventional_max_prompt)
             and (g == min(groups) or not args.large_group_max_prompt or p <= args.large_group_max_prompt)]
     todo += [(m, p, min(groups)) for p in extra for m in METHODS[:2] if m in methods]
+    if "longstraw" in methods and "forward" in methods:   # capture against a no-grad forward
+        todo += [("forward", p, min(groups)) for p in sorted({p for m, p, _ in todo
+                                                            if m == "longstraw"})]
 
     def one(point):
         r = run_point(args, *point)
