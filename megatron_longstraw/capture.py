@@ -166,7 +166,8 @@ def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, bac
         hidden = embed(model, prefix[positions[start:end]])         # [b, 1, h]
         if residual is None:
             residual = note_host(torch.empty((positions.numel(),) + tuple(hidden.shape[1:]),
-                                             dtype=hidden.dtype, device=storage))
+                                             dtype=hidden.dtype, device=storage,
+                                             pin_memory=state.pages.pin_memory))
         residual[start:end].copy_(hidden)
     del hidden
     groups = decoder_groups(model)
@@ -175,8 +176,8 @@ def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, bac
             backward.layer_inputs.append(note_host(residual.clone()))
         for start, end in blocks:
             state.positions, state.block_start = positions[start:end], start
-            out = run_group(group, residual[start:end].to(device))
-            residual[start:end].copy_(out)
+            out = run_group(group, residual[start:end].to(device, non_blocking=True))
+            residual[start:end].copy_(out)   # (synchronous: the block's rows are read next layer)
         del out
         state.positions, state.block_start = positions, 0
         _keep_selections(state, backward)

@@ -482,3 +482,19 @@ def test_device_check_gdn_section_runs_on_cpu():
     assert "no CUDA" in result["fla"]["skipped"]
     assert result["torch fp32, initial state"]["split at 101"]["ok"]
     assert result["torch fp32, gradients"]["ok"]
+
+
+def test_device_check_capacity_section_runs_on_cpu():
+    """Part 8 of tools/device_check.py without CUDA: streamed capture of the tiny GLM-5.2 at two
+    prompt lengths, the device peak (host storage left out) beside the planner's capture lines;
+    its growth is the planner's positions table exactly."""
+    dc = _device_check()
+    import argparse
+
+    result = dc.capacity(argparse.Namespace(kernels="ref", start_prompt_len=512))
+    assert result["ok"] and dc.RESULTS["failures"] == []
+    assert result["device_peak_growth_bytes"] == result["planned_growth_bytes"] == 8 * 384
+    for point in result["points"]:
+        assert point["measured_device_peak_bytes"] > 0
+        assert point["measured_host_peak_bytes"] == point["page_bytes"] + sum(
+            point["planned_host_bytes"].values())

@@ -20,6 +20,9 @@ full-width GLM-5.2 and Qwen3.6 on one GPU (under 8 minutes on an H100/H200).
    real widths (1 dense + 3 MoE layers, 16 routed experts) in bf16, at prompt lengths doubling from
    --start-prompt-len until memory or its share of the time budget runs out: peak
    torch.cuda.max_memory_allocated, capture tokens/s, replay time per step;
+8. capacity (after part 6, same model): streamed capture alone at --start-prompt-len and twice
+   it, the device peak (LiveBytesMeter: max_memory_allocated, pinned host memory not counted)
+   beside the planner's capture lines for the same setup, and its growth (device_checks/capacity.py);
 7. the same for Qwen3.6 with 4 layers at the full.yaml widths (`G-G-G-*`: 3 Gated DeltaNet + 1
    gated full attention), also reporting the fixed GDN state bytes against the per-token K/V page
    bytes, and at the first prompt length the replay log-probs against a full-sequence forward.
@@ -58,6 +61,7 @@ from device_checks.kernels import (  # noqa: E402
     fp8_gemm_parity_and_timing, indexer_parity_and_timing, sparse_mla_parity, sparse_mla_timing,
     te_and_apex, triton_interpreter,
 )
+from device_checks.capacity import capacity  # noqa: E402
 from device_checks.steps import model_step, qwen36_step  # noqa: E402
 
 START = time.perf_counter()
@@ -108,6 +112,9 @@ def main(argv=None) -> int:
     if "glm52" in steps and RESULTS["gpu"]:
         run_section("LongStraw step, GLM-5.2 4 layers full width",
                     lambda: model_step(args, share_of_budget(args, 1 / len(steps))))
+    if "glm52" in steps and RESULTS["gpu"]:
+        run_section("capacity: streamed capture at P and 2P, GLM-5.2 full width",
+                    lambda: capacity(args))
     if "qwen36" in steps:
         run_section("qwen36 step", lambda: qwen36_step(args, share_of_budget(args, 1.0)))
     if not RESULTS["gpu"]:

@@ -8,4 +8,5 @@
     gdn.py          5. Qwen3.6 Gated DeltaNet kernel parity and timing
     sweep.py        building a model on the GPU and the prompt-length sweep of the model steps
     steps.py        6 + 7. one LongStraw step of GLM-5.2 and of Qwen3.6
+    capacity.py     8. streamed capture at P and 2P: measured device peak beside the planner's
 """
