@@ -67,7 +67,7 @@ demo-rl: $(VENV)/.installed
 	$(PY) tools/demo_rl.py --out runs/demo-rl
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:warnings tests
+	$(PY) -m pytest -q -p no:warnings --durations=25 tests
 
 # LongStraw against conventional GRPO on CPU (tiny GLM-5.2): table, JSON and plot in runs/bench/.
 bench: $(VENV)/.installed
