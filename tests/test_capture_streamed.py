@@ -53,11 +53,11 @@ def fp64_model(request):
 
 
 def test_streamed_capture_equals_whole_capture_bitwise(fp64_model):
-    """fp64, a prompt of 301 tokens (5 token blocks, the last partial), with the exact gradient's
+    """fp64, a prompt of 197 tokens (4 token blocks, the last partial), with the exact gradient's
     inputs kept (what it keeps changes no page): every page (every layer and kind), every layer
     input, top-k selection and GDN block boundary, equal bitwise."""
     family, cfg, model = fp64_model
-    ids = _prompt(cfg, 301)
+    ids = _prompt(cfg, 197)
     whole, streamed = (_capture(model, ids, mode, exact=True) for mode in ("whole", "streamed"))
     keys = [(layer, kind) for layer in whole.pages.layers() for kind in whole.pages.kinds(layer)]
     assert keys == [(layer, kind) for layer in streamed.pages.layers()
@@ -93,7 +93,7 @@ def _device_peak(model, ids, mode, exact=False, page_tokens=128):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_capture_device_bytes_flat_and_the_planner_lines(family):
-    """fp32, P = 257 and 1025 (token blocks of 64, pages of 128 rows):
+    """fp32, P = 193 and 769 (token blocks of 64, pages of 128 rows):
     - streamed capture's device peak grows by exactly the planner's one prompt-sized device line,
       the positions table (8 B per added token), and the host peak is the pages (allocated) plus
       the planner's capture host lines (residual stream; DSA: the latest full layer's
@@ -105,7 +105,7 @@ def test_streamed_capture_device_bytes_flat_and_the_planner_lines(family):
 
     cfg, model = _build(family, torch.float32)
     _capture(model, _prompt(cfg, 64), "streamed", exact=True)      # warm-up: one-time allocations
-    lengths = (257, 1025)
+    lengths = (193, 769)
     added = lengths[1] - lengths[0]
     peaks, planned = {}, {}
     for prompt_len in lengths:
