@@ -52,6 +52,18 @@ def test_spread_and_the_table():
     assert demo_rl.spread([0.5])["std"] == 0.0
 
 
+def test_both_gradient_modes_are_offered_and_the_control_stays_detached():
+    args = demo_rl.parse_args(["--prompt-grad", "exact"])
+    task = {"path": "prompts.jsonl"}
+    run = demo_rl.launcher_argv(args, task, 1, False, Path("out"))
+    control = demo_rl.launcher_argv(args, task, 1, True, Path("out"))
+    assert run[run.index("--longstraw-prompt-grad") + 1] == "exact"
+    assert "--longstraw-prompt-grad" not in control and "zeros" in control
+    assert "--longstraw-prompt-grad" not in demo_rl.launcher_argv(demo_rl.parse_args([]), task, 1,
+                                                                  False, Path("out"))
+    assert run[run.index("--decoupled-lr") + 1] == "0.02" and run[run.index("--lr") + 1] == "0.0001"
+
+
 def test_the_tool_runs_end_to_end_at_a_tiny_size(tmp_path):
     """Two steps per run, 64-token prompts, one seed: the receipt's shape, the PNG, the exit
     status following the criterion (a 2-step run cannot pass it)."""

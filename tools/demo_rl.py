@@ -105,7 +105,7 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
                            "best_blind: always answering the most frequent answer of the data"},
         "settings": {k: getattr(args, k) for k in (
             "config", "prompt_len", "group_size", "batch", "steps", "lr", "decoupled_lr",
-            "num_prompts",
+            "prompt_grad", "num_prompts",
             "temperature", "parallel")},
         "criterion": check,
         "seeds": seeds,
@@ -242,6 +242,10 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
             "--global-batch-size", str(args.batch), "--seed", str(seed),
             "--no-longstraw-data-shuffle", "--no-longstraw-live-bytes",
             "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
+    # The zeros control needs the detached gradient (its prompt state is not a function of the
+    # weights): with --prompt-grad exact only the run back-propagates through the prompt.
+    if args.prompt_grad == "exact" and not control:
+        argv += ["--longstraw-prompt-grad", "exact"]
     return argv + (["--longstraw-control", "zeros"] if control else [])
 
 
@@ -292,6 +296,10 @@ def parse_args(argv=None):
                    help="Learning rate of the embedding and output layer (Megatron's "
                         "--decoupled-lr); 0: --lr for them too.")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
+                   help="The run's prompt gradient (exact: standard GRPO's, through the prompt); "
+                        "the control is always detached (its zeroed state is no function of the "
+                        "weights).")
     p.add_argument("--parallel", type=int, default=2, help="Runs at a time (one process each).")
     p.add_argument("--min-gain", type=float, default=0.25,
                    help="Criterion: the run's reward_end >= chance + this, every seed.")
