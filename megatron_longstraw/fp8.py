@@ -266,6 +266,31 @@ def nbytes(out_features: int, in_features: int, parts: int = 1) -> int:
     return out_features * in_features + 4 * rows * cols
 
 
+# ---- per-token rows (DeepGEMM's indexer keys; FP8 index-key pages) -----------------------------
+
+ROW_AMAX_MIN = 1e-4
+"""Smallest amax a per-token row is scaled by (DeepGEMM's `per_token_cast_to_fp8` clamp): an
+all-zero row gets the scale 1e-4 / 448 and zero values."""
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., d] float -> (values [..., d] float8_e4m3fn, scales [...] float32) with x ~ values *
+    scales[..., None]: one scale per row of the last dim, amax / 448 (amax >= 1e-4), x / scale
+    rounded to the nearest e4m3 in float32. DeepGEMM's per-token cast, the layout `fp8_mqa_logits`
+    reads for the indexer keys (kernels/deepgemm.py) and FP8 index-key pages store (pages.py). The
+    rounding errs by at most max(2^-4 |x|, 2^-10 scale) per value, as `quantize`'s."""
+    scale = x.abs().float().amax(dim=-1).clamp(min=ROW_AMAX_MIN) / E4M3_MAX
+    return (x.float() / scale[..., None]).to(FP8_DTYPE), scale
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`quantize_rows`' inverse: values [..., d] float8_e4m3fn, scales [...] float32 -> [..., d] in
+    `dtype`, the product computed in float32 (float64 for a float64 `dtype`: exact), cast once."""
+    wide = _wide(dtype)
+    return (values.to(wide) * scales.to(wide)[..., None]).to(dtype)
+
+
 # ---- checkpoints: which tensors are FP8 ----------------------------------------------------------
 
 

@@ -20,25 +20,44 @@ faster, but it only exists with CUDA; ``pin_memory=None`` therefore pins iff
 ``torch.cuda.is_available()``. Without CUDA everything stays on CPU and prefetching
 is a no-op.
 
+Page formats
+------------
+A sequence kind is stored in the storage dtype ("model": the dtype appended, or
+``storage_dtype``) unless ``formats`` names another format for it:
+
+- ``"fp8"``: each row quantised on append to float8 e4m3 with one float32 scale (amax / 448,
+  ``fp8.quantize_rows``: DeepGEMM's per-token cast) and dequantised on every read (``fetch``,
+  ``window``, ``gather``) to the dtype appended, or the one asked for. A page of P rows of d values
+  is one byte buffer ``[P * d values e4m3 | P scales float32]``, DeepGEMM's FP8 KV block layout
+  (``fp8_paged_mqa_logits``, block = page): d + 4 bytes per row (132 B for GLM-5.2's 128-value
+  index keys). Rows [a, b) of one page are two contiguous views (``window_fp8``), the
+  ``(k [t, d] e4m3, k_scale [t] fp32)`` pair ``fp8_mqa_logits`` takes, with no copy. Lossy:
+  for kinds that only select (DSA index keys), never for kinds that get a gradient.
+
 Byte counts
 -----------
 ``nbytes()`` is exact. By default it is *logical*: ``num_tokens * row_bytes`` for
-sequence kinds (row_bytes = prod(row_shape) * element size of the storage dtype) and
-``tensor.nbytes`` for fixed kinds; ``allocated=True`` counts whole allocated pages
-(``num_pages * page_tokens * row_bytes``), i.e. what host memory actually holds.
+sequence kinds (row_bytes = prod(row_shape) * element size of the storage dtype, or
+prod(row_shape) + 4 for fp8 pages) and ``tensor.nbytes`` for fixed kinds; ``allocated=True``
+counts whole allocated pages (``num_pages * page_tokens * row_bytes``), i.e. what host memory
+actually holds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_longstraw import fp8
 from megatron_longstraw.memory import note_host
 
-__all__ = ["PageStore"]
+__all__ = ["PAGE_FORMATS", "PageStore"]
+
+PAGE_FORMATS = ("model", "fp8")
+"""Storage formats of a sequence kind (module docstring): the storage dtype, or FP8 rows."""
 
 
 class _IntoGradBuffer(torch.autograd.Function):
@@ -63,13 +82,26 @@ class _SeqEntry:
 
     row_shape: tuple[int, ...]
     in_dtype: torch.dtype  # dtype callers append (validated on every append)
-    dtype: torch.dtype  # storage dtype of the pages
+    dtype: torch.dtype  # storage dtype of the pages (fp8: the dtype reads return by default)
     pages: list[torch.Tensor] = field(default_factory=list)
     num_tokens: int = 0
+    fp8: bool = False  # "fp8" format: pages are byte buffers [P * d e4m3 | P float32 scales]
+
+    @property
+    def row_values(self) -> int:
+        return math.prod(self.row_shape)
 
     @property
     def row_bytes(self) -> int:
-        return math.prod(self.row_shape) * torch.empty((), dtype=self.dtype).element_size()
+        if self.fp8:
+            return self.row_values + 4      # e4m3 values + one float32 scale
+        return self.row_values * torch.empty((), dtype=self.dtype).element_size()
+
+    def fp8_views(self, page: int, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An fp8 page as (values [P, d] float8_e4m3fn, scales [P] float32), views of its buffer."""
+        buffer, split = self.pages[page], page_tokens * self.row_values
+        return (buffer[:split].view(fp8.FP8_DTYPE).view(page_tokens, self.row_values),
+                buffer[split:].view(torch.float32))
 
 
 class PageStore:
@@ -78,7 +110,8 @@ class PageStore:
     Sequence kinds are filled with :meth:`append` (rows ``[n, *row_shape]``, dim 0 =
     tokens) and fetched as ``[num_tokens, *row_shape]``; fixed kinds are set with
     :meth:`put` and fetched as stored. Floating-point tensors are stored in
-    ``storage_dtype`` when given (integer tensors keep their dtype).
+    ``storage_dtype`` when given (integer tensors keep their dtype), sequence kinds named in
+    ``formats`` (kind -> one of ``PAGE_FORMATS``) in that format (module docstring).
     """
 
     def __init__(
@@ -87,9 +120,15 @@ class PageStore:
         pin_memory: bool | None = None,
         storage_dtype: torch.dtype | None = None,
         storage_device: torch.device | str = "cpu",
+        formats: Mapping[str, str] | None = None,
     ) -> None:
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+        self.formats = dict(formats or {})
+        for kind, name in self.formats.items():
+            if name not in PAGE_FORMATS:
+                raise ValueError(f"page format of kind {kind!r} must be one of {list(PAGE_FORMATS)}, "
+                                 f"got {name!r}")
         self.storage_device = torch.device(storage_device)
         if self.storage_device.type != "cpu":
             pin_memory = False  # pages live on the accelerator itself (no offload)
@@ -148,8 +187,8 @@ class PageStore:
         row_shape = tuple(rows.shape[1:])
         entry = self._seq.get(layer_idx, {}).get(kind)
         if entry is None:
+            entry = self._new_entry(layer_idx, kind, row_shape, rows.dtype)
             self._register(layer_idx, kind, sequence=True)
-            entry = _SeqEntry(row_shape, rows.dtype, self._target_dtype(rows.dtype))
             self._seq.setdefault(layer_idx, {})[kind] = entry
         else:
             if row_shape != entry.row_shape:
@@ -162,19 +201,55 @@ class PageStore:
                 )
             self._prefetched.pop(layer_idx, None)
         P, n, i = self.page_tokens, rows.shape[0], 0
+        scales = None
+        if entry.fp8:   # quantised where the rows are (on the device: fewer bytes to copy)
+            rows, scales = fp8.quantize_rows(rows.reshape(n, entry.row_values))
         while i < n:
             if entry.num_tokens == len(entry.pages) * P:
-                entry.pages.append(self._host_empty((P, *row_shape), entry.dtype))
+                shape = (P * entry.row_bytes,) if entry.fp8 else (P, *row_shape)
+                entry.pages.append(self._host_empty(shape, torch.uint8 if entry.fp8 else entry.dtype))
             off = entry.num_tokens - (len(entry.pages) - 1) * P
             take = min(P - off, n - i)
-            entry.pages[-1][off : off + take].copy_(rows[i : i + take], non_blocking=self.pin_memory)
+            if entry.fp8:
+                values, page_scales = entry.fp8_views(len(entry.pages) - 1, P)
+                values[off:off + take].copy_(rows[i:i + take], non_blocking=self.pin_memory)
+                page_scales[off:off + take].copy_(scales[i:i + take], non_blocking=self.pin_memory)
+            else:
+                entry.pages[-1][off : off + take].copy_(rows[i : i + take], non_blocking=self.pin_memory)
             entry.num_tokens += take
             i += take
         if n:
             self._note_async_d2h(rows)
 
+    def _new_entry(self, layer_idx: int, kind: str, row_shape: tuple[int, ...],
+                   dtype: torch.dtype) -> _SeqEntry:
+        """A sequence kind's entry in its format (``formats``), checked."""
+        if self.formats.get(kind, "model") != "fp8":
+            return _SeqEntry(row_shape, dtype, self._target_dtype(dtype))
+        values = math.prod(row_shape)
+        if not dtype.is_floating_point:
+            raise ValueError(f"layer {layer_idx} kind {kind!r}: fp8 pages hold floating-point rows, "
+                             f"got {dtype}")
+        if self.page_tokens * values % 4:
+            raise ValueError(f"layer {layer_idx} kind {kind!r}: fp8 pages of {self.page_tokens} rows "
+                             f"of {values} values do not put the float32 scales on a 4-byte "
+                             "boundary (page_tokens x row values must be a multiple of 4)")
+        return _SeqEntry(row_shape, dtype, dtype, fp8=True)
+
+    def round_trip(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [n, *row_shape] as a read of `kind`'s pages would return them, in rows' dtype:
+        quantised and dequantised (fp8 format), or unchanged. Capture that attends over the rows it
+        just computed (not reading them back) uses this to see what later reads see."""
+        if self.formats.get(kind, "model") != "fp8":
+            return rows
+        flat = rows.detach().reshape(rows.shape[0], -1)
+        return fp8.dequantize_rows(*fp8.quantize_rows(flat), rows.dtype).view_as(rows)
+
     def put(self, layer_idx: int, kind: str, tensor: torch.Tensor) -> None:
         """Store a fixed-size (not sequence-indexed) state, replacing any previous one."""
+        if self.formats.get(kind, "model") != "model":
+            raise ValueError(f"kind {kind!r} has the {self.formats[kind]!r} page format, for "
+                             "sequence kinds (append), not fixed-size state (put)")
         self._register(layer_idx, kind, sequence=False)
         tensor = tensor.detach()
         host = self._host_empty(tensor.shape, self._target_dtype(tensor.dtype))
@@ -261,7 +336,8 @@ class PageStore:
             self._d2h_event = None
 
     def _to_device(self, layer_idx: int, kind: str, device: torch.device) -> torch.Tensor:
-        """Copy one (layer, kind) into a fresh tensor on another device than the storage one."""
+        """Copy one (layer, kind) into a fresh tensor on another device than the storage one
+        (fp8 pages: each page's bytes copied, then dequantised there)."""
         e = self._entry(layer_idx, kind)
         nb = self.pin_memory
         if not isinstance(e, _SeqEntry):
@@ -270,16 +346,31 @@ class PageStore:
         for p, page in enumerate(e.pages):
             start = p * self.page_tokens
             take = min(self.page_tokens, e.num_tokens - start)
-            out[start : start + take].copy_(page[:take], non_blocking=nb)
+            if e.fp8:
+                out[start:start + take] = self._decode(e, p, 0, take, device, e.dtype)
+            else:
+                out[start : start + take].copy_(page[:take], non_blocking=nb)
         return out
 
-    def fetch(self, layer_idx: int, kind: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The whole logical tensor on ``device``: ``[num_tokens, *row_shape]`` or the fixed state.
+    def _decode(self, e: _SeqEntry, page: int, start: int, end: int, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, end) of fp8 page `page`, copied to `device` as bytes, dequantised there to
+        `dtype` -> [end - start, *row_shape]."""
+        values, scales = e.fp8_views(page, self.page_tokens)
+        values = values[start:end].to(device, non_blocking=self.pin_memory)
+        scales = scales[start:end].to(device, non_blocking=self.pin_memory)
+        return fp8.dequantize_rows(values, scales, dtype).view(end - start, *e.row_shape)
+
+    def fetch(self, layer_idx: int, kind: str, device: torch.device | str = "cpu",
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole logical tensor on ``device``: ``[num_tokens, *row_shape]`` or the fixed state,
+        in `dtype` (default: as stored; fp8 pages: dequantised to the dtype appended).
 
         On CPU a single page comes back as a view (several pages: one concat). A prefetch
         of this layer to ``device`` is waited on (current stream waits on its event) and used.
         """
         device = torch.device(device)
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
         pre = self._prefetched.get(layer_idx)
         if pre is not None and pre[0] == device and kind in pre[1]:
             t, event = pre[1][kind], pre[2]
@@ -287,67 +378,120 @@ class PageStore:
                 stream = torch.cuda.current_stream(device)
                 stream.wait_event(event)
                 t.record_stream(stream)
-            return t
+            return cast(t)
         if device != self.storage_device:
             if self._d2h_event is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).wait_event(self._d2h_event)
-            return self._to_device(layer_idx, kind, device)
+            return cast(self._to_device(layer_idx, kind, device))
         self.synchronize()
         e = self._entry(layer_idx, kind)
         if not isinstance(e, _SeqEntry):
-            return e
+            return cast(e)
+        if e.fp8:
+            return self.window(layer_idx, kind, 0, e.num_tokens, device, dtype)
         n, P = e.num_tokens, self.page_tokens
         if n == 0:
-            return torch.empty((0, *e.row_shape), dtype=e.dtype, device=self.storage_device)
+            return torch.empty((0, *e.row_shape), dtype=dtype or e.dtype, device=self.storage_device)
         used = -(-n // P)
         if used == 1:
-            return e.pages[0][:n]
-        return torch.cat([*e.pages[: used - 1], e.pages[used - 1][: n - (used - 1) * P]])
+            return cast(e.pages[0][:n])
+        return cast(torch.cat([*e.pages[: used - 1], e.pages[used - 1][: n - (used - 1) * P]]))
 
-    def window(self, layer_idx: int, kind: str, start: int, end: int,
-               device: torch.device | str | None = None) -> torch.Tensor:
-        """Rows [start, end) of a sequence kind on `device` (default: the storage device; there,
-        a view when they lie in one page): one key window, never the whole layer."""
-        device = self.storage_device if device is None else torch.device(device)
-        self.synchronize()
+    def _seq_entry(self, layer_idx: int, kind: str) -> _SeqEntry:
         e = self._entry(layer_idx, kind)
         if not isinstance(e, _SeqEntry):
             raise ValueError(f"layer {layer_idx} kind {kind!r} is fixed-size, not sequence-indexed")
+        return e
+
+    def _page_spans(self, e: _SeqEntry, layer_idx: int, kind: str, start: int, end: int):
+        """(page, first row, end row) within pages of the rows [start, end), checked."""
         if not 0 <= start <= end <= e.num_tokens:
             raise IndexError(f"layer {layer_idx} kind {kind!r}: rows [{start}, {end}) outside the "
                              f"{e.num_tokens} written")
-        P = self.page_tokens
-        parts = []
-        row = start
+        P, spans, row = self.page_tokens, [], start
         while row < end:
             page, off = divmod(row, P)
             take = min(P - off, end - row)
-            parts.append(e.pages[page][off:off + take])
+            spans.append((page, off, off + take))
             row += take
-        if not parts:
-            return torch.empty((0, *e.row_shape), dtype=e.dtype, device=device)
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return rows.to(device, non_blocking=self.pin_memory)
+        return spans
 
-    def gather(self, layer_idx: int, kind: str, index: torch.Tensor,
-               device: torch.device | str | None = None) -> torch.Tensor:
-        """Rows `index` (1-D, any order, < the rows written) of a sequence kind on `device`
-        (default: the storage device): a sparse selection's rows, never the whole layer."""
+    def window(self, layer_idx: int, kind: str, start: int, end: int,
+               device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows [start, end) of a sequence kind on `device` (default: the storage device; there,
+        a view when they lie in one page of the storage dtype) in `dtype` (default: as stored;
+        fp8 pages: dequantised, on `device`, to the dtype appended): one key window, never the
+        whole layer."""
         device = self.storage_device if device is None else torch.device(device)
         self.synchronize()
-        e = self._entry(layer_idx, kind)
-        if not isinstance(e, _SeqEntry):
-            raise ValueError(f"layer {layer_idx} kind {kind!r} is fixed-size, not sequence-indexed")
+        e = self._seq_entry(layer_idx, kind)
+        spans = self._page_spans(e, layer_idx, kind, start, end)
+        if e.fp8:
+            parts = [self._decode(e, page, a, b, device, dtype or e.dtype) for page, a, b in spans]
+        else:
+            parts = [e.pages[page][a:b] for page, a, b in spans]
+        if not parts:
+            return torch.empty((0, *e.row_shape), dtype=dtype or e.dtype, device=device)
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = rows.to(device, non_blocking=self.pin_memory)
+        return rows if dtype is None else rows.to(dtype)
+
+    def window_fp8(self, layer_idx: int, kind: str, start: int, end: int,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, end) of an fp8 kind as stored: (values [n, d] float8_e4m3fn, scales [n]
+        float32), d = prod(row_shape), x ~ values * scales[:, None]. Views of the page when the
+        rows lie in one page and `device` is the storage device: the `(k, k_scale)` pair of
+        DeepGEMM's `fp8_mqa_logits`, with no copy."""
+        device = self.storage_device if device is None else torch.device(device)
+        self.synchronize()
+        e = self._seq_entry(layer_idx, kind)
+        if not e.fp8:
+            raise ValueError(f"layer {layer_idx} kind {kind!r} is not stored in the fp8 format")
+        spans = self._page_spans(e, layer_idx, kind, start, end)
+        views = [tuple(t[a:b] for t in e.fp8_views(page, self.page_tokens)) for page, a, b in spans]
+        if not views:
+            return (torch.empty((0, e.row_values), dtype=fp8.FP8_DTYPE, device=device),
+                    torch.empty(0, dtype=torch.float32, device=device))
+        values, scales = views[0] if len(views) == 1 else (torch.cat([v for v, _ in views]),
+                                                            torch.cat([s for _, s in views]))
+        nb = self.pin_memory
+        return values.to(device, non_blocking=nb), scales.to(device, non_blocking=nb)
+
+    def gather(self, layer_idx: int, kind: str, index: torch.Tensor,
+               device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `index` (1-D, any order, < the rows written) of a sequence kind on `device`
+        (default: the storage device) in `dtype` (default: as stored; fp8 pages: dequantised, on
+        `device`, to the dtype appended): a sparse selection's rows, never the whole layer."""
+        device = self.storage_device if device is None else torch.device(device)
+        self.synchronize()
+        e = self._seq_entry(layer_idx, kind)
         index = index.to(self.storage_device, torch.long)
         if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < e.num_tokens:
             raise IndexError(f"layer {layer_idx} kind {kind!r}: rows {int(index.min())}.."
                              f"{int(index.max())} outside the {e.num_tokens} written")
-        out = torch.empty((index.numel(), *e.row_shape), dtype=e.dtype, device=self.storage_device)
+        shape = (index.numel(), e.row_values) if e.fp8 else (index.numel(), *e.row_shape)
+        out = torch.empty(shape, dtype=fp8.FP8_DTYPE if e.fp8 else e.dtype,
+                          device=self.storage_device)
+        scales = (torch.empty(index.numel(), dtype=torch.float32, device=self.storage_device)
+                  if e.fp8 else None)
         page_of = torch.div(index, self.page_tokens, rounding_mode="floor")
         for page in page_of.unique().tolist():
             here = (page_of == page).nonzero()[:, 0]
-            out[here] = e.pages[page].index_select(0, index[here] - page * self.page_tokens)
-        return out.to(device, non_blocking=self.pin_memory)
+            rows = index[here] - page * self.page_tokens
+            if e.fp8:
+                values, page_scales = e.fp8_views(page, self.page_tokens)
+                # as bytes: selecting and writing 8-bit rows needs no float8 kernels
+                out.view(torch.uint8)[here] = values.view(torch.uint8).index_select(0, rows)
+                scales[here] = page_scales.index_select(0, rows)
+            else:
+                out[here] = e.pages[page].index_select(0, rows)
+        if e.fp8:
+            out, scales = (t.to(device, non_blocking=self.pin_memory) for t in (out, scales))
+            return fp8.dequantize_rows(out, scales, dtype or e.dtype).view(-1, *e.row_shape)
+        out = out.to(device, non_blocking=self.pin_memory)
+        return out if dtype is None else out.to(dtype)
 
     def prefetch(self, layer_idx: int, device: torch.device | str) -> None:
         """Start copying all kinds of a layer to ``device`` (CUDA: side stream + event; CPU: no-op)."""

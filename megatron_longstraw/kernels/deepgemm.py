@@ -79,26 +79,19 @@ def supports(q: torch.Tensor, relu: bool) -> str | None:
     return None
 
 
-def _quantize(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 with one float32 scale per slice over `dims` reduced: x ~ x_fp8 * scale."""
-    amax = x.abs().float().amax(dim=dims, keepdim=True).clamp(min=1e-4)
-    scale = amax / _FP8_MAX
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
 def _fp8_queries(q: torch.Tensor, weights: torch.Tensor, scale: float):
     """q -> (q_fp8 [s, h, d], head weights [s, h] fp32 with the query scales and `scale` folded in)."""
-    q_fp8, q_scale = _quantize(q, dims=(2,))                        # [s, h, d], [s, h, 1]
-    return q_fp8.contiguous(), (weights.float() * q_scale[..., 0] * scale).contiguous()
+    q_fp8, q_scale = fp8.quantize_rows(q)                           # [s, h, d], [s, h]
+    return q_fp8.contiguous(), (weights.float() * q_scale * scale).contiguous()
 
 
 def _fp8_logits(q_fp8: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     deep_gemm = packages.require("deep_gemm")
     num_queries, num_keys = q_fp8.shape[0], keys.shape[0]
-    k_fp8, k_scale = _quantize(keys, dims=(1,))                     # [t, d], [t, 1]
+    k_fp8, k_scale = fp8.quantize_rows(keys)                        # [t, d], [t]
     start = torch.zeros(num_queries, dtype=torch.int32, device=keys.device)
     end = torch.full((num_queries,), num_keys, dtype=torch.int32, device=keys.device)
-    return deep_gemm.fp8_mqa_logits(q_fp8, (k_fp8.contiguous(), k_scale[:, 0].contiguous()), w,
+    return deep_gemm.fp8_mqa_logits(q_fp8, (k_fp8.contiguous(), k_scale.contiguous()), w,
                                     start, end, clean_logits=False)
 
 
