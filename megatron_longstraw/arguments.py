@@ -22,6 +22,7 @@ from megatron_longstraw.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.families import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
 from megatron_longstraw.offpolicy import TIS_MODES
+from megatron_longstraw.pages import PAGE_FORMATS
 
 # Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see
 # kernels/select.py.
@@ -96,6 +97,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        default=None, help="Keep prompt pages in host memory and stream them.")
     group.add_argument("--longstraw-page-tokens", type=int, default=None,
                        help="Rows per page of captured state.")
+    group.add_argument("--longstraw-index-key-pages", choices=PAGE_FORMATS, default=None,
+                       help="DSA index-key pages (GLM-5.2): model (the model's dtype; default) "
+                            "or fp8 (e4m3 + one fp32 scale per token, 132 B at index_head_dim "
+                            "128: changes only which keys the top-k selects).")
     group.add_argument("--longstraw-checkpoint-layers", action=argparse.BooleanOptionalAction,
                        default=None, help="Whole-decoder-layer activation checkpointing in replay.")
     group.add_argument("--longstraw-prompt-grad", choices=("detached", "exact"), default=None,
@@ -263,6 +268,7 @@ _FLAG_TO_FIELD = {
     "longstraw_std_unbiased": "std_unbiased",
     "longstraw_offload_pages": "offload_pages",
     "longstraw_page_tokens": "page_tokens",
+    "longstraw_index_key_pages": "index_key_pages",
     "longstraw_checkpoint_layers": "checkpoint_layers",
     "longstraw_prompt_grad": "prompt_grad",
     "longstraw_kernels": "kernels",

@@ -11,6 +11,7 @@ import yaml
 
 from megatron_longstraw.grpo import GRPOLossConfig
 from megatron_longstraw.offpolicy import check_tis
+from megatron_longstraw.pages import PAGE_FORMATS
 
 
 @dataclass
@@ -34,6 +35,13 @@ class LongStrawConfig:
     """Rows per page of captured state."""
     offload_pages: bool = True
     """Keep captured pages in host memory (pinned with CUDA) and stream them layer by layer."""
+    index_key_pages: str = "model"
+    """Storage of DSA index-key pages (GLM-5.2; families without index keys ignore it): "model"
+    (the model's dtype) or "fp8" (e4m3 + one fp32 scale per token: d + 4 bytes a row, 132 B at
+    index_head_dim 128, DeepGEMM's layout; pages.py). fp8 only changes which keys the top-k
+    selects (index keys get no gradient), and nothing under DeepGEMM's indexer, which casts the
+    keys the same way. "model" is the default: the CPU parity tests compare with transformers at
+    fp64 and need exact selections. Capture builds its `PageStore` with `page_formats()`."""
     kernels: str = "auto"
     """Kernel backend: auto | ref | a backend name | per-part spec such as
     "auto,indexer=ref" or "sparse_mla=flashmla,sparse_mla_grad=triton" (kernels/select.py)."""
@@ -112,6 +120,9 @@ class LongStrawConfig:
                 hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
                         if isinstance(value, str) else "")
                 raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if self.index_key_pages not in PAGE_FORMATS:
+            raise ValueError(f"longstraw index_key_pages (--longstraw-index-key-pages) must be one "
+                             f"of {list(PAGE_FORMATS)}, got {self.index_key_pages!r}.")
         if self.capture not in ("streamed", "whole"):
             raise ValueError(f"longstraw capture must be 'streamed' or 'whole', got "
                              f"{self.capture!r}.")
@@ -152,6 +163,11 @@ class LongStrawConfig:
             raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
                              "reward function (--longstraw-reward module:function, YAML "
                              "longstraw.reward).")
+
+    def page_formats(self) -> dict[str, str]:
+        """Page kind -> storage format for the capture's `PageStore` (`formats`): "index_key" is
+        the GLM-5.2 mixer's kind (models/glm52/attention.py INDEX_KEY)."""
+        return {"index_key": self.index_key_pages} if self.index_key_pages != "model" else {}
 
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,

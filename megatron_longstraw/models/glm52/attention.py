@@ -85,6 +85,9 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         self.write_rows(state, LATENT, latents)
         if index_keys is not None:
             self.write_rows(state, INDEX_KEY, index_keys)
+            # The top-k scores the keys as the pages hold them (fp8 pages: dequantised), as
+            # streamed capture, scoring and decoding read them.
+            index_keys = state.pages.round_trip(INDEX_KEY, index_keys)
             state.selections.clear()   # capture keeps one [P, k] selection: the latest full layer's
         positions = state.positions
         if state.cp.size > 1:
