@@ -63,8 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--latent-dtype", choices=["fp64", "fp32", "bf16", "fp16"], default="bf16",
                    help="page rows: GLM latents, Qwen K/V rows and GDN conv tails (the model's "
                         "dtype; the GDN state is fp32)")
-    p.add_argument("--index-key-dtype", choices=["fp64", "fp32", "bf16", "fp8"], default="fp8",
-                   help="fp8: one byte per value plus one fp32 scale per row")
+    p.add_argument("--index-key-dtype", choices=["fp64", "fp32", "bf16", "fp8"], default=None,
+                   help="fp8: one byte per value plus one fp32 scale per row (default: the "
+                        "config's longstraw index_key_pages: fp8, or model = --latent-dtype)")
     p.add_argument("--gpu", type=gpu_bytes, default=planner.GPU_BYTES["H20"],
                    help=f"{', '.join(planner.GPU_BYTES)} or a size (e.g. 96GB)")
     p.add_argument("--device-reserve", type=quantity, default=4 * planner.GiB)
@@ -103,8 +104,12 @@ def build_spec(args) -> planner.PlanSpec:
     ep = args.ep if args.ep is not None else family.planner.ep
     weight = planner.DTYPE_BYTES[args.weight_dtype]
     act = planner.DTYPE_BYTES[args.act_dtype] if args.act_dtype else (weight if weight >= 2 else 2.0)
-    index = (1 + 4 / key_width if args.index_key_dtype == "fp8"     # one fp32 scale per row
-             else planner.DTYPE_BYTES[args.index_key_dtype])
+    # The launcher's index-key pages (--longstraw-index-key-pages, YAML index_key_pages): "model"
+    # stores them like the latents, "fp8" with one fp32 scale per row (pages.py).
+    index_dtype = args.index_key_dtype or ("fp8" if blocks.index_key_pages == "fp8"
+                                           else args.latent_dtype)
+    index = (1 + 4 / key_width if index_dtype == "fp8"
+             else planner.DTYPE_BYTES[index_dtype])
     return planner.PlanSpec(
         family=args.family, model=model, prompt_len=args.prompt_len, group_size=args.group_size,
         response_len=args.response_len, cp=cp, ep=ep, weight_bytes=weight, act_bytes=act,

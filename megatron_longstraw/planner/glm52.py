@@ -109,6 +109,13 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     k = min(topk, total + r_pad)
     pages = glm52_pages(cfg, spec.latent_bytes, spec.index_key_bytes)
     index_row = di * spec.index_key_bytes
+    # fp8 index-key pages (1 + 4/di bytes a value: the only format below 2) are read dequantised
+    # to the latents' dtype (pages.py, fp8.dequantize_rows): a read holds those rows, and while a
+    # page part is dequantised, its values widened and their product (float32, float64 for fp64).
+    fp8_keys = spec.index_key_bytes < 2
+    index_read = di * spec.latent_bytes if fp8_keys else index_row
+    wide = max(4.0, spec.latent_bytes)
+    dequant = lambda rows: 2 * min(rows, spec.page_tokens) * di * wide if fp8_keys else 0
     saved = glm52_replay_saved(cfg, rows, cp, total, b, acc=acc)
     indexer_block = lambda queries: (queries * hi * spec.key_block * acc + queries * spec.key_block * acc
                                      + 2 * queries * (topk + min(topk, spec.key_block)) * (acc + 8))
@@ -129,7 +136,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
             Item("capture attention output of one token block [token_block, heads*v] x2 (block "
                  "list + cat)", 2 * tb * H * cfg.v_head_dim * b),
             Item("index-key window [key_block, index] (read from the pages)",
-                 spec.key_block * di * b),
+                 spec.key_block * di * b + (spec.key_block * index_row + dequant(spec.key_block)
+                                            if fp8_keys else 0)),
             indexer, sparse_block,
         ]
         capture_moe = capture_moe_items(cfg, spec, n, streamed=True)
@@ -155,7 +163,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     # layers' local pages), attention cats [prefix; branch] latents, the CP path builds a global
     # position lookup.
     common = [Item("streamed page window (2 layers' local pages + latent cat copy)",
-                   2 * n * (d_qk * spec.latent_bytes + index_row) + (n + r_pad) * d_qk * b),
+                   2 * n * (d_qk * spec.latent_bytes + index_read) + dequant(n)
+                   + (n + r_pad) * d_qk * b),
               Item("global position lookup [P + R] int64 (CP path)",
                    8 * (total + r_pad) if cp > 1 else 0)]
     # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
