@@ -97,7 +97,7 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                          f"parallelism {layout.size}: it needs at least {2 * layout.size + 1}.")
     positions = layout.prompt_positions(num_captured, device=prefix.device)
     if pages is None:  # host pages streamed per layer, or (no offload) pages kept on the device
-        pages = PageStore(page_tokens=cfg.page_tokens,
+        pages = PageStore(page_tokens=cfg.page_tokens, formats=cfg.page_formats(),
                           storage_device="cpu" if cfg.offload_pages else prompt_ids.device)
     backward = None
     if num_captured > 0:

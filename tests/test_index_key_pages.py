@@ -142,8 +142,6 @@ def test_plan_memory_follows_the_config():
     assert index_key_bytes("--config", str(TINY_GLM), "--index-key-dtype", "fp8") == 1 + 4 / 16
 
 
-@pytest.mark.xfail(strict=True, reason="capture.py builds its PageStore without "
-                   "formats=cfg.page_formats() (a one-line change there; then drop this mark)")
 def test_capture_builds_its_pages_in_the_config_formats():
     cfg, model = build_tiny_glm(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
