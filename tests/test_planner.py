@@ -286,11 +286,17 @@ def _qwen_replay_peak(model, captured, response, ls):
     (65, False, torch.bfloat16, 1024),   # fp32 statistics beside bf16 activations
 ])
 def test_qwen36_replay_saved_bytes_within_0_1_percent(response_len, checkpoint_layers, dtype,
-                                                      query_block):
+                                                      query_block, monkeypatch):
     """Whole-layer checkpointing on: the meter sees the layer inputs, LM head and loss. Off: every
     layer's saved tensors, i.e. the per-layer working set the planner charges once for the
     recompute (on CPU: Megatron's PyTorch delta rule and l2norm). 0.1% as for GLM-5.2's evidence;
-    every case here is observed exact (0 bytes apart)."""
+    every case here is observed exact (0 bytes apart). The planner charges the chunked delta rule
+    (FLA's on a GPU, Megatron's PyTorch one here) for every branch length; the CPU's token-by-token
+    path for calls of a few tokens (gdn.RECURRENT_MAX_TOKENS: a CPU speed path, no GPU runs it) is
+    switched off so that R = 1 checks the chunked rule's saved set too."""
+    from megatron_longstraw.models.qwen36 import gdn
+
+    monkeypatch.setattr(gdn, "RECURRENT_MAX_TOKENS", 0)
     cfg = Qwen36Config.from_yaml(TINY_QWEN)
     b = torch.empty((), dtype=dtype).element_size()
     model = _build_qwen(cfg, dtype)
