@@ -24,7 +24,8 @@ def _flags(tmp_path: Path, *extra: str) -> list[str]:
     return ["--longstraw", "--longstraw-config", TINY, "--longstraw-group-size", "2",
             "--longstraw-dtype", "fp64", "--lr", str(LR), "--lr-decay-style", "constant",
             "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", "0", "--seed", "5",
-            "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t", *extra]
+            "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t",
+            "--no-longstraw-live-bytes", *extra]   # (the CPU meter's cost; nothing here reads it)
 
 
 def _groups(vocab: int, n: int, with_old: bool = False) -> list:

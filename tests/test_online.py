@@ -33,7 +33,7 @@ def _flags(tmp_path, name, *extra):
             "--longstraw-reward", "longstraw:marker_majority", "--longstraw-group-size", "3",
             "--longstraw-max-new-tokens", "2", "--longstraw-dtype", "fp64", "--lr", "1e-2",
             "--seed", "5", "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", name,
-            *extra]
+            "--no-longstraw-live-bytes", *extra]   # (the CPU meter's cost; nothing here reads it)
 
 
 def _weights(folder: Path) -> dict:

@@ -21,7 +21,7 @@ def _flags(tmp_path: Path, *extra: str) -> list[str]:
     return ["--longstraw", "--longstraw-config", TINY, "--longstraw-synthetic-prompt-len", "32",
             "--longstraw-synthetic-response-len", "4", "--longstraw-group-size", "2",
             "--longstraw-dtype", "fp32", "--longstraw-out-dir", str(tmp_path),
-            "--longstraw-run-name", "t", *extra]
+            "--longstraw-run-name", "t", "--no-longstraw-live-bytes", *extra]
 
 
 class Stop(Exception):
@@ -231,7 +231,7 @@ def _torchrun(tmp_path: Path, name: str, *flags: str, signal_after_step: int | N
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
          "--log-dir", str(logs), "--redirects", "3", str(ROOT / "examples" / "pretrain_gpt.py"),
          *_flags(tmp_path / name, "--context-parallel-size", "2",
-                 "--expert-model-parallel-size", "2", "--train-iters", "6", "--lr", "1e-2",
+                 "--expert-model-parallel-size", "2", "--train-iters", "4", "--lr", "1e-2",
                  "--exit-signal-handler", *flags)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
@@ -278,18 +278,18 @@ def test_sigterm_saves_exits_0_and_the_resume_matches_an_uninterrupted_run(tmp_p
     from megatron_longstraw import checkpoint
 
     full, cut = tmp_path / "full", tmp_path / "cut"
-    code, _, out = _torchrun(tmp_path, "full", "--save", str(full), "--save-interval", "6")
+    code, _, out = _torchrun(tmp_path, "full", "--save", str(full), "--save-interval", "4")
     assert code == 0, out[-3000:]
-    code, log, out = _torchrun(tmp_path, "cut", "--save", str(cut), "--save-interval", "6",
+    code, log, out = _torchrun(tmp_path, "cut", "--save", str(cut), "--save-interval", "4",
                                signal_after_step=0)
     assert code == 0, out[-3000:]
     stopped = checkpoint.latest_checkpoint(cut)
-    assert stopped is not None and 1 <= int(stopped.name.split("_")[1]) < 6, log
+    assert stopped is not None and 1 <= int(stopped.name.split("_")[1]) < 4, log
     assert f"SIGTERM received (--exit-signal-handler); checkpoint {stopped}" in log, log
-    code, log, out = _torchrun(tmp_path, "resume", "--save", str(cut), "--save-interval", "6",
+    code, log, out = _torchrun(tmp_path, "resume", "--save", str(cut), "--save-interval", "4",
                                "--load", str(cut))
     assert code == 0, out[-3000:]
     assert f"resumed from {stopped} at step {int(stopped.name.split('_')[1])}" in log
-    a, b = _weights(full / "step_00000006"), _weights(cut / "step_00000006")
+    a, b = _weights(full / "step_00000004"), _weights(cut / "step_00000004")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
