@@ -42,13 +42,22 @@ class PageRows:
         """(rows the kernel reads, `local` [s, k] indices into them)."""
         if self.store is None:
             return self.rows, local
-        valid = local >= 0
-        used = local[valid].unique()                                  # sorted, distinct
-        if used.numel() == 0:                                         # nothing selected here
+        used, remapped = compact_selection(local)
+        if used is None:                                              # nothing selected here
             return self.rows[:1], local
-        remapped = torch.full_like(local, -1)
-        remapped[valid] = torch.searchsorted(used, local[valid])
         return self.store.differentiable(self.rows[used], self.layer, self.kind, rows=used), remapped
+
+
+def compact_selection(selection: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A selection [s, k] of row indices (-1 = none) -> (the distinct rows it reads, sorted, or
+    None when it reads none; the selection as indices into them, -1 kept)."""
+    valid = selection >= 0
+    used = selection[valid].unique()
+    if used.numel() == 0:
+        return None, selection
+    local = torch.full_like(selection, -1)
+    local[valid] = torch.searchsorted(used, selection[valid])
+    return used, local
 
 
 @dataclass

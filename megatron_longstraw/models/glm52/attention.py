@@ -141,12 +141,9 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
     def _selected_page_rows(self, state: AttentionPass, selection: torch.Tensor, device, dtype):
         """The latent rows a selection [s, k] (global positions, -1 = none) reads, gathered from
         the pages -> (rows [u, d_qk], indices [s, k] into them)."""
-        valid = selection >= 0
-        used = selection[valid].unique()
-        if used.numel() == 0:
+        used, local = partials.compact_selection(selection)
+        if used is None:                      # nothing selected: one row keeps the shapes valid
             used = selection.new_zeros(1)
-        local = torch.full_like(selection, -1)
-        local[valid] = torch.searchsorted(used, selection[valid])
         rows = state.pages.gather(self.layer_idx, LATENT, used, device).to(dtype)
         return rows, local
 
