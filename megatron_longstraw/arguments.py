@@ -112,9 +112,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--longstraw-token-block", type=int, default=None,
                        help="Tokens per chunk for token-wise work in capture.")
     group.add_argument("--longstraw-capture", choices=("streamed", "whole"), default=None,
-                       help="One process: streamed capture (token blocks, the residual stream in "
-                            "host memory; default) or whole (each layer over the whole prompt on "
-                            "the device: the reference).")
+                       help="Streamed capture (token blocks, the residual stream in host "
+                            "memory, under CP the layer's rows exchanged through host memory; "
+                            "default) or whole (each layer over the rank's whole shard on the "
+                            "device: the reference).")
     group.add_argument("--longstraw-query-block", type=int, default=None,
                        help="Queries per sparse-attention block.")
     group.add_argument("--longstraw-key-block", type=int, default=None,

@@ -5,19 +5,24 @@ The captured prefix is `prompt[:-1]`. The last prompt token is replayed with eve
 its output scores the first response token, so replaying it keeps that token's own computation in
 the member's autograd graph (only the state of the tokens before it is a constant).
 
-On one process capture is streamed (`capture_block`): layer by layer, token block by token block.
-The residual stream lives in a host buffer of `[P, 1, h]` (the pages' storage); each block is
-copied to the device, run through the decoder layer (the mixer appends its rows to the pages and
-reads earlier rows from them one key window at a time, or continues the GDN state stored there)
-and its output overwrites the block's rows of the buffer (a block's input is not read again: later
-blocks read the layer's pages). DSA selections are int32 in host memory, the latest full indexer
-layer's only (what IndexShare reads). Device memory is then one block's activations, one key
-window or one query block's selected rows, and one layer's weights: nothing of the prompt's size.
+Capture is streamed (`capture_block`): layer by layer, token block by token block. The residual
+stream lives in a host buffer of this rank's rows `[n_local, 1, h]` (the pages' storage); each
+block is copied to the device, run through the decoder layer and its output overwrites the block's
+rows of the buffer (a block's input is not read again: later blocks read the layer's pages). On
+one process the mixer appends the block's rows to the pages and reads earlier rows from them one
+key window at a time, or continues the GDN state stored there. Under context parallelism each
+layer runs in three phases (`context_parallel.StreamedCapture`): the blocks' key rows to the pages
+(`capture_rows`), an exchange through host memory (every rank's rows gathered in position order;
+GDN: its recurrence per global token block over this rank's heads), then the blocks' queries and
+FFN/MoE (every rank the same number of blocks: each MoE call is a collective). DSA selections are
+int32 in host memory, the latest full indexer layer's only (what IndexShare reads). Device memory
+is then one block's activations, one key window or one query block's selected rows, and one
+layer's weights: nothing of the prompt's size but the rows' position table.
 
-Under context parallelism each rank runs its whole shard per layer (`capture`: the mixers gather
-or ring the shard's keys; the residual stream `[P / CP, h]` on the device). Nothing is O(P^2)
-either way: FFN/MoE intermediates live for one token chunk, indexer scores for one (query block,
-key block) pair.
+`--longstraw-capture whole` keeps the earlier schedule as the reference: each rank runs its whole
+shard per layer (`capture`: the mixers gather or ring the shard's keys; the residual stream on the
+device). Nothing is O(P^2) either way: FFN/MoE intermediates live for one token chunk, indexer
+scores for one (query block, key block) pair.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch
 
 from megatron_longstraw.config import LongStrawConfig
 from megatron_longstraw.memory import note_host
-from megatron_longstraw.models.common import decoder_groups, embed, run_group, selection_kinds
+from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, mixer_of, run_group,
+                                               run_layer, selection_kinds)
+from megatron_longstraw.models.context_parallel import StreamedCapture, capture_blocks
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 from megatron_longstraw.state import AttentionPass, CPPass, attention_pass
@@ -104,7 +111,7 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
         if keep_for_backward:
             backward = PromptBackwardInputs([], {}, note_host(prefix[positions].to(
                 pages.storage_device, copy=True)))
-        streamed = layout.size == 1 and cfg.capture == "streamed"
+        streamed = cfg.capture == "streamed"
         state = AttentionPass(mode="capture_block" if streamed else "capture", pages=pages,
                               positions=positions, cp=CPPass.for_capture(layout, num_captured),
                               query_block=cfg.query_block, key_block=cfg.key_block,
@@ -136,31 +143,29 @@ def _keep_selections(state: AttentionPass, backward: PromptBackwardInputs | None
 
 def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
     """Every layer over this rank's whole shard (the residual stream on the device)."""
-    layout, storage = state.cp.layout, state.pages.storage_device
-    # Every rank runs the same number of FFN/MoE chunks (MoE dispatch is a collective).
-    longest = max(CPLayout(None, layout.size, r).prompt_positions(state.cp.global_len).numel()
-                  for r in range(layout.size))
-    num_chunks = -(-longest // cfg.token_block)
+    storage = state.pages.storage_device
+    blocks = capture_blocks(state.cp.layout, state.cp.global_len, cfg.token_block)
     hidden = embed(model, prefix[state.positions])                  # [n_local, 1, h]
     groups = decoder_groups(model)
     for layer_idx, group in enumerate(groups):
         if backward is not None:
             backward.layer_inputs.append(note_host(hidden.to(storage, copy=True)))
-        # One process: chunks of token_block rows, the FFN/MoE calls of streamed capture.
-        hidden = run_group(group, hidden, num_chunks,
-                           chunk_rows=cfg.token_block if layout.size == 1 else None)
+        # FFN/MoE in streamed capture's token blocks (under CP as many on every rank).
+        hidden = run_group(group, hidden, chunk_sizes=[end - start for start, end in blocks])
         _keep_selections(state, backward)
         if progress is not None:
             progress(layer_idx + 1, len(groups))
 
 
 def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
-    """Streamed capture (one process): the residual stream in a host buffer, every layer run one
-    token block at a time (`capture_block`; module docstring)."""
-    positions, storage = state.positions, state.pages.storage_device
+    """Streamed capture: the residual stream in a host buffer, every layer run one token block at
+    a time (`capture_block`; under CP after the rows and exchange phases; module docstring)."""
+    positions, storage, layout = state.positions, state.pages.storage_device, state.cp.layout
     device = prefix.device
-    blocks = [(s, min(s + cfg.token_block, positions.numel()))
-              for s in range(0, positions.numel(), cfg.token_block)]
+    blocks = capture_blocks(layout, state.cp.global_len, cfg.token_block)
+    if layout.size > 1:
+        state.streamed = StreamedCapture(layout, state.cp.global_len, storage,
+                                         state.pages.pin_memory, cfg.token_block)
     residual = None
     for start, end in blocks:
         hidden = embed(model, prefix[positions[start:end]])         # [b, 1, h]
@@ -174,6 +179,14 @@ def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, bac
     for layer_idx, group in enumerate(groups):
         if backward is not None:
             backward.layer_inputs.append(note_host(residual.clone()))
+        if state.streamed is not None and is_mixer(group[0]):
+            state.mode = "capture_rows"          # the blocks' key rows (or GDN inputs) first
+            for start, end in blocks:
+                state.positions, state.block_start = positions[start:end], start
+                run_layer(group[0], residual[start:end].to(device, non_blocking=True))
+            state.positions = positions
+            mixer_of(group).capture_exchange(state)
+            state.mode = "capture_block"
         for start, end in blocks:
             state.positions, state.block_start = positions[start:end], start
             out = run_group(group, residual[start:end].to(device, non_blocking=True))

@@ -56,11 +56,11 @@ class LongStrawConfig:
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE); the token block
     of streamed capture."""
     capture: str = "streamed"
-    """Capture on one process: "streamed" (layer by layer, token block by token block, the
-    residual stream in host memory: nothing of the prompt's size on the device; capture.py) or
-    "whole" (each layer over the whole prompt on the device: the earlier schedule, kept as the
-    reference streamed capture is tested against). Under context parallelism capture runs each
-    rank's whole shard."""
+    """"streamed" (layer by layer, token block by token block, the residual stream in host memory,
+    under CP the layer's rows of every rank exchanged through host memory: nothing of the
+    prompt's size on the device; capture.py) or "whole" (each layer over this rank's whole shard
+    on the device: the earlier schedule, kept as the reference streamed capture is tested
+    against)."""
     query_block: int = 1024
     """Queries per sparse-attention block."""
     key_block: int = 4096

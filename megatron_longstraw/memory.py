@@ -230,6 +230,15 @@ class _CpuAllocationEvents:
         live, block_bytes = 0, {}                          # ptr -> bytes, of blocks allocated since entry
         host_live, host_blocks = 0, set()                  # the host storage's, apart
         for i, (time_ns, ptr, nbytes) in enumerate(events):
+            if nbytes > 0 and ptr in block_bytes:
+                # An address handed out again was freed: its free went unrecorded (the profiler
+                # records this thread's events; a gloo worker thread that drops the last
+                # reference to a collective's tensor frees it there).
+                if ptr in host_blocks:
+                    host_blocks.discard(ptr)
+                    host_live -= block_bytes.pop(ptr)
+                else:
+                    live -= block_bytes.pop(ptr)
             if nbytes > 0 and i in host:
                 host_blocks.add(ptr)
                 host_live += nbytes

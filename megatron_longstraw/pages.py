@@ -54,7 +54,7 @@ import torch
 from megatron_longstraw import fp8
 from megatron_longstraw.memory import note_host
 
-__all__ = ["PAGE_FORMATS", "PageStore"]
+__all__ = ["PAGE_FORMATS", "LayerRows", "PageStore"]
 
 PAGE_FORMATS = ("model", "fp8")
 """Storage formats of a sequence kind (module docstring): the storage dtype, or FP8 rows."""
@@ -614,3 +614,20 @@ class PageStore:
             f"layers={len(self._order)}, bytes_by_kind={self.bytes_by_kind()}, "
             f"nbytes={self.nbytes()}, allocated={self.nbytes(allocated=True)})"
         )
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer's captured key rows, read by global position: a window or a selection at a time
+    (streamed capture's key source). On one process the layer's pages themselves (row =
+    position); under CP, `context_parallel.StreamedCapture` offers the same two reads over every
+    rank's rows gathered in host memory."""
+
+    store: PageStore
+    layer_idx: int
+
+    def window(self, kind: str, start: int, end: int, device=None, dtype=None) -> torch.Tensor:
+        return self.store.window(self.layer_idx, kind, start, end, device, dtype)
+
+    def gather(self, kind: str, index: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
+        return self.store.gather(self.layer_idx, kind, index, device, dtype)

@@ -109,11 +109,36 @@ class CPLayout:
 
     def prompt_positions(self, length: int, device=None) -> torch.Tensor:
         """Global positions [n_local] of this rank's prompt shard, ascending."""
+        ranges = self.shard_ranges(length)
+        out = torch.empty(sum(b - a for a, b in ranges), dtype=torch.long, device=device)
+        row = 0
+        for a, b in ranges:   # written in place: the table is the only prompt-sized allocation
+            torch.arange(a, b, out=out[row:row + b - a])
+            row += b - a
+        return out
+
+    def shard_ranges(self, length: int) -> list[tuple[int, int]]:
+        """This rank's prompt shard as global position ranges [start, end), ascending (one range
+        on one process, two under CP): `prompt_positions` without a tensor."""
         if self.size == 1:
-            return torch.arange(length, device=device)
+            return [(0, length)]
         bounds = torch.linspace(0, length, 2 * self.size + 1).round().long().tolist()
         chunks = (self.rank, 2 * self.size - 1 - self.rank)
-        return torch.cat([torch.arange(bounds[c], bounds[c + 1], device=device) for c in chunks])
+        return [(bounds[c], bounds[c + 1]) for c in chunks]
+
+    def shard_len(self, length: int, rank: int | None = None) -> int:
+        """Rows of rank `rank`'s prompt shard (default: this rank's)."""
+        layout = self if rank is None else CPLayout(None, self.size, rank)
+        return sum(b - a for a, b in layout.shard_ranges(length))
+
+    def shard_rows_within(self, length: int, start: int, end: int,
+                          rank: int | None = None) -> tuple[int, int]:
+        """Local rows [lo, hi) of rank `rank`'s shard (default: this rank's) whose global
+        positions lie in [start, end) (one range: the shard's positions ascend)."""
+        layout = self if rank is None else CPLayout(None, self.size, rank)
+        ranges = layout.shard_ranges(length)
+        below = lambda x: sum(min(max(x - a, 0), b - a) for a, b in ranges)
+        return below(start), below(end)
 
     def branch_rows(self, length: int) -> tuple[int, int, int]:
         """(start, end, padded_length) of this rank's rows of a response branch."""
@@ -313,6 +338,19 @@ class HeadParallel:
                             for r in range(layout.size)])
 
     @classmethod
+    def for_prompt_block(cls, layout: CPLayout, length: int, start: int, end: int,
+                         device=None) -> "HeadParallel":
+        """The rows of the load-balanced prompt shards at positions [start, end) (positions
+        relative to `start`; a rank may hold none): one global token block of streamed capture."""
+        shards = []
+        for rank in range(layout.size):
+            ranges = CPLayout(None, layout.size, rank).shard_ranges(length)
+            spans = [(max(a, start), min(b, end)) for a, b in ranges]
+            shards.append(torch.cat([torch.arange(lo, max(lo, hi), device=device)
+                                     for lo, hi in spans]) - start)
+        return cls(layout, shards)
+
+    @classmethod
     def for_branch(cls, layout: CPLayout, padded_length: int, device=None) -> "HeadParallel":
         """The contiguous, equal branch rows of `CPLayout.branch_rows` (positions relative)."""
         per_rank = padded_length // layout.size
@@ -326,7 +364,12 @@ class HeadParallel:
         if x.shape[-1] % self.layout.size:
             raise ValueError(f"{x.shape[-1]} columns do not split over CP {self.layout.size}.")
         padded = torch.cat([x, x.new_zeros((self.rows - x.shape[0],) + x.shape[1:])])
-        return all_to_all_sp2hp(padded, group=self.layout.group)[self.index]
+        if torch.is_grad_enabled():
+            return all_to_all_sp2hp(padded, group=self.layout.group)[self.index]
+        # Megatron's layout: column block j of every row to rank j, rank-major on arrival.
+        size = self.layout.size
+        send = padded.reshape(self.rows, size, -1).transpose(0, 1).contiguous()
+        return self._all_to_all(send).reshape(size * self.rows, -1)[self.index]
 
     def to_rows(self, y: torch.Tensor) -> torch.Tensor:
         """[total, d / size] -> [n_local, d]: the inverse of `to_heads`."""
@@ -334,7 +377,20 @@ class HeadParallel:
 
         padded = y.new_zeros((self.layout.size * self.rows,) + y.shape[1:]).index_copy(
             0, self.index, y)
-        return all_to_all_hp2sp(padded, group=self.layout.group)[:self.local_rows]
+        if torch.is_grad_enabled():
+            return all_to_all_hp2sp(padded, group=self.layout.group)[:self.local_rows]
+        size = self.layout.size
+        received = self._all_to_all(padded.reshape(size, self.rows, -1))
+        return received.transpose(0, 1).reshape(self.rows, -1)[:self.local_rows]
+
+    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """Without autograd: block i of `send` [size, ...] to rank i -> block i from rank i. The
+        exchange keeps `send` until it is dropped itself: on gloo a worker thread may otherwise
+        drop a tensor's last reference, a free the CPU live-bytes meter cannot see."""
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.layout.group)
+        self._sent = send
+        return received
 
 
 def broadcast_rows(x: torch.Tensor, src: int, rows: int, layout: CPLayout,

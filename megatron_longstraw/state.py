@@ -10,12 +10,17 @@ forward from position 0, so the model is still an ordinary Megatron model.
 Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
 - `capture`: the current tokens are the prompt (this rank's whole shard); their state is written
-             to `pages` (no autograd). Under context parallelism.
-- `capture_block`: streamed capture on one process (capture.py): the current tokens are one token
-             block of the prompt, rows [block_start, block_start + s); earlier blocks' state is in
-             `pages` already: attention reads its key rows window by window from the pages, GDN
-             continues from the state stored there; the block's own state is appended (no
-             autograd). Nothing on the device is of the prompt's size.
+             to `pages` (no autograd). The whole-shard reference (`--longstraw-capture whole`).
+- `capture_block`: streamed capture (capture.py): the current tokens are one token block of the
+             prompt, this rank's rows [block_start, block_start + s). One process: earlier
+             blocks' state is in `pages` already: attention reads its key rows window by window
+             from the pages, GDN continues from the state stored there; the block's own state is
+             appended (no autograd). Under CP (`forward_capture_block_sharded`) the layer's rows
+             are written already (`capture_rows`) and exchanged (`streamed`): attention reads
+             every rank's rows window by window from host memory, GDN hands over its output
+             rows. Nothing on the device is of the prompt's size.
+- `capture_rows`: streamed capture under CP, a layer's first phase: the block's key rows are
+             appended to the pages (GDN: its input kept for the exchange); nothing attended.
 - `score`:   the current tokens are one response, keys the prompt pages plus the current tokens,
              without autograd (pre-step scoring: logp_old, logp_ref, the DSA selections replay
              reuses).
@@ -46,8 +51,8 @@ import torch
 from megatron_longstraw.pages import PageStore
 from megatron_longstraw.parallel import CPLayout
 
-Mode = Literal["full", "capture", "capture_block", "score", "replay", "prompt_backward",
-               "prompt_rows", "decode"]
+Mode = Literal["full", "capture", "capture_block", "capture_rows", "score", "replay",
+               "prompt_backward", "prompt_rows", "decode"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
 
@@ -137,7 +142,11 @@ class AttentionPass:
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
     block_start: int = 0
-    """`capture_block`: this block's first row among this rank's captured rows (its pages)."""
+    """`capture_block` / `capture_rows`: this block's first row among this rank's captured rows
+    (its pages)."""
+    streamed: Optional[object] = None
+    """Streamed capture under CP: the layer's exchange through host memory
+    (`context_parallel.StreamedCapture`)."""
     cp: CPPass = field(default_factory=CPPass)
     """Context-parallel part (size 1: everything on this process); frozen."""
 

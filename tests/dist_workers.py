@@ -262,3 +262,50 @@ def decode_worker(rank, cases):
         gens = generate(model, captured, 3, SamplingParams(max_new_tokens=6, seed=7), ls)
         outs.append([(g.token_ids, g.logprobs) for g in gens])
     return outs
+
+
+def streamed_capture_worker(rank, cases, blocks):
+    """Capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path, prompt lengths)), per
+    case: at the first length, the whole-shard and the streamed capture with the exact gradient's
+    inputs (every page, layer input and selection); at every length, the streamed capture's
+    device and host peaks (live-bytes meter, host storage left out) and its page bytes."""
+    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.memory import LiveBytesMeter
+
+    def capture(model, ids, mode, exact):
+        ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=64, **blocks)
+        return capture_prompt(model, ids, ls, keep_for_backward=exact)
+
+    def contents(captured):
+        pages = captured.pages
+        return {"pages": {(layer, kind): pages.fetch(layer, kind).clone()
+                          for layer in pages.layers() for kind in pages.kinds(layer)},
+                "layer_inputs": [x.clone() for x in captured.backward.layer_inputs],
+                "selections": {k: v.clone() for k, v in captured.backward.selections.items()},
+                "positions": captured.positions.clone()}
+
+    outs = []
+    for family, cp, ep, state_path, lengths in cases:
+        cfg, model, _ = _case_model(family, cp, ep, state_path)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+                   for n in lengths]
+        out = {mode: contents(capture(model, prompts[0], mode, exact=True))
+               for mode in ("whole", "streamed")}
+        capture(model, prompts[0], "streamed", exact=False)        # warm-up
+        out["peaks"] = {"whole": [], "streamed": []}
+        for mode, peaks in out["peaks"].items():
+            for ids in prompts:
+                runs = []
+                # The lowest of two: a gloo worker thread may free a tensor unseen by the CPU
+                # meter, which then counts it until its address is reused (memory.py).
+                for _ in range(2 if mode == "streamed" else 1):
+                    with LiveBytesMeter("cpu", exclude_host=True) as meter:
+                        captured = capture(model, ids, mode, exact=False)
+                    runs.append({"device": meter.peak_bytes, "host": meter.host_peak_bytes,
+                                 "pages": captured.pages.nbytes(allocated=True),
+                                 "local_rows": captured.positions.numel()})
+                    del captured
+                peaks.append(min(runs, key=lambda run: run["device"]))
+        outs.append(out)
+    return outs

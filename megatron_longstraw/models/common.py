@@ -45,20 +45,16 @@ def run_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def run_group(group, hidden: torch.Tensor, num_chunks: int = 1,
-              chunk_rows: int | None = None) -> torch.Tensor:
-    """One decoder layer. FFN/MoE symbols are token-wise: with `num_chunks` > 1 they run chunk by
-    chunk (`num_chunks` near-equal chunks, or chunks of `chunk_rows` rows: the token blocks of
-    streamed capture, one process) so their intermediates (MoE dispatch buffers, FFN activations)
-    stay O(chunk). Under EP every rank must pass the same `num_chunks` (each MoE call is a
-    collective)."""
+def run_group(group, hidden: torch.Tensor, chunk_sizes: list[int] | None = None) -> torch.Tensor:
+    """One decoder layer. FFN/MoE symbols are token-wise: with `chunk_sizes` (rows per chunk,
+    summing to the rows of `hidden`: capture's token blocks) they run chunk by chunk, so their
+    intermediates (MoE dispatch buffers, FFN activations) stay O(chunk). Under EP every rank must
+    pass as many chunks (each MoE call is a collective)."""
     for layer in group:
-        if is_mixer(layer) or num_chunks <= 1:
+        if is_mixer(layer) or chunk_sizes is None or len(chunk_sizes) <= 1:
             hidden = run_layer(layer, hidden)
         else:
-            chunks = (hidden.split(chunk_rows) if chunk_rows is not None
-                      else torch.tensor_split(hidden, num_chunks))
-            hidden = torch.cat([run_layer(layer, chunk) for chunk in chunks])
+            hidden = torch.cat([run_layer(layer, chunk) for chunk in hidden.split(chunk_sizes)])
     return hidden
 
 

@@ -4,11 +4,14 @@ Every rank holds its load-balanced shard of the prompt (`CPLayout.prompt_positio
 passes (score, replay), a contiguous share of the branch rows. Mixers compute on local tensors and
 call these functions for everything that crosses ranks:
 
-- Capture. A rank's queries need every earlier prompt key. `gather_prompt_keys` all-gathers one
-  layer's key rows in position order (GLM-5.2's DSA: the global top-k scores every key);
-  `ring_attention` broadcasts each rank's K/V shard in turn and merges the partial attention of
-  this rank's queries by log-sum-exp, so no rank holds more than one shard of keys (Qwen3.6's
-  gated attention).
+- Capture. A rank's queries need every earlier prompt key. Streamed (the default,
+  `StreamedCapture`), each layer runs in three phases over this rank's token blocks: the blocks'
+  key rows go to this rank's pages; every rank's rows of the layer are gathered into host memory
+  in position order, one window on the device at a time; each block's queries then read them
+  window by window (or, DSA, only the selected rows), as one process reads its pages. Whole-shard
+  capture (the reference) all-gathers one layer's key rows on the device (`gather_prompt_keys`,
+  GLM-5.2's DSA) or broadcasts each rank's K/V shard in turn and merges the partial attention by
+  log-sum-exp (`ring_attention`, Qwen3.6's gated attention, DeepSeek-V3).
 - Branch passes. `attend_branch` gathers the branch's rows (queries, and the branch's own keys) to
   every rank, lets the mixer attend all branch queries over this rank's prompt shard plus the
   branch's own keys, and merges the partial outputs by log-sum-exp, reduce-scattered to the rows'
@@ -30,8 +33,113 @@ import torch.distributed as dist
 
 from megatron_longstraw import parallel
 from megatron_longstraw.kernels.refs import merge_partial_attention
+from megatron_longstraw.memory import note_host
 from megatron_longstraw.parallel import CPLayout
 from megatron_longstraw.state import AttentionPass
+
+
+class StreamedCapture:
+    """Streamed capture under CP (capture.py): what crosses ranks, one layer at a time, through
+    host memory. Every rank runs the same number of token blocks of its shard (`capture_blocks`),
+    and per layer three phases:
+
+    1. rows (mode `capture_rows`): each block's key rows go to this rank's pages (GDN: the block's
+       mixer input goes to a host buffer, `buffer`); nothing is attended;
+    2. exchange (the mixer's `capture_exchange`, collective): attention mixers gather every rank's
+       rows of the layer into host memory in position order (`gather_keys`); GDN runs its
+       recurrence one global token block at a time over this rank's heads and writes the mixer's
+       output rows back into its host buffer;
+    3. attend (mode `capture_block`): each block's queries read the gathered rows one key window
+       or one selection at a time (`window`, `gather`: the reads of `pages.LayerRows`, by global
+       position), then the block's FFN/MoE run.
+
+    The device holds one window of `rows_per_copy` rows in phase 2 and one block's activations in
+    1 and 3; the host holds the layer's rows of every rank (the planner's host line
+    `capture_gathered_keys`)."""
+
+    def __init__(self, layout: CPLayout, global_len: int, storage_device, pin_memory: bool,
+                 rows_per_copy: int):
+        self.layout, self.global_len = layout, global_len
+        self.local_len = layout.shard_len(global_len)
+        self.storage_device, self.pin_memory = torch.device(storage_device), pin_memory
+        self.rows_per_copy = rows_per_copy
+        self.keys: dict[str, torch.Tensor] = {}
+        """The current layer's key rows by kind, [global_len, ...] in position order (host)."""
+        self.bias = None
+        """GDN: the output projection's bias (None, or the parameter Megatron adds after)."""
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._windows: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host buffer by name (without a shape: the one made last), reused by every layer that
+        asks for the same shape and dtype (named host storage for the live-bytes meter)."""
+        buf = self._buffers.get(name)
+        if shape is None:
+            return buf
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            self._buffers.pop(name, None)
+            buf = note_host(torch.empty(shape, dtype=dtype, device=self.storage_device,
+                                        pin_memory=self.pin_memory))
+            self._buffers[name] = buf
+        return buf
+
+    @torch.no_grad()
+    def gather_keys(self, pages, layer_idx: int, kinds, device) -> None:
+        """Collective: every rank's rows of `kinds` of layer `layer_idx` (as its pages read them:
+        fp8 pages dequantised) into `keys`, in global position order. Each rank's rows are
+        broadcast by their owner in windows of `rows_per_copy` (one window on the device)."""
+        layout, total = self.layout, self.global_len
+        self.keys = {}
+        for kind in kinds:
+            empty = pages.window(layer_idx, kind, 0, 0, device)      # row shape and dtype
+            row_shape = tuple(empty.shape[1:])
+            out = self.buffer(f"keys:{kind}", (total,) + row_shape, empty.dtype)
+            window = self._windows.get(kind)           # the one on the device, kept (gloo:
+            if window is None or window.shape[1:] != empty.shape[1:]:   # module docstring)
+                window = self._windows[kind] = empty.new_empty((self.rows_per_copy,) + row_shape)
+            for src in range(layout.size):
+                row = 0                                # the owner's local row of `a`
+                for a, b in CPLayout(None, layout.size, src).shard_ranges(total):
+                    for start in range(a, b, self.rows_per_copy):
+                        end = min(start + self.rows_per_copy, b)
+                        rows = window[:end - start]
+                        if layout.rank == src:
+                            rows.copy_(pages.window(layer_idx, kind, row + start - a,
+                                                    row + end - a, device))
+                        dist.broadcast(rows, src=dist.get_global_rank(layout.group, src),
+                                       group=layout.group)
+                        out[start:end].copy_(rows)
+                    row += b - a
+            self.keys[kind] = out
+
+    def window(self, kind: str, start: int, end: int, device=None, dtype=None) -> torch.Tensor:
+        """Rows at global positions [start, end) of the gathered `kind`, on `device`."""
+        rows = self.keys[kind][start:end].to(device or self.storage_device,
+                                             non_blocking=self.pin_memory)
+        return rows if dtype is None else rows.to(dtype)
+
+    def gather(self, kind: str, index: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
+        """Rows at global positions `index` (1-D) of the gathered `kind`, on `device`."""
+        rows = self.keys[kind][index.to(self.storage_device)].to(device or self.storage_device,
+                                                                 non_blocking=self.pin_memory)
+        return rows if dtype is None else rows.to(dtype)
+
+
+def capture_blocks(layout: CPLayout, global_len: int, token_block: int) -> list[tuple[int, int]]:
+    """This rank's token blocks of capture, as local row ranges. One process: `token_block` rows
+    each. Under CP every rank runs the same number (each MoE call is a collective): as many as
+    the longest shard needs, near-equal (the chunks of `torch.tensor_split`)."""
+    rows = layout.shard_len(global_len)
+    if layout.size == 1:
+        return [(s, min(s + token_block, rows)) for s in range(0, rows, token_block)]
+    longest = max(layout.shard_len(global_len, r) for r in range(layout.size))
+    count = -(-longest // token_block)
+    size, extra = divmod(rows, count)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def gather_prompt_keys(rows: torch.Tensor, state: AttentionPass) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,11 @@ Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateA
 3. refuses a pass whose context-parallel size is not the one the model was built for (a plain
    forward of a CP model would treat each rank's shard as a whole sequence);
 4. dispatches, once, on the mode to the family's method `forward_<mode>(hidden_states, state)`:
-   `forward_full`, `forward_capture`, `forward_score` (default: `forward_replay`, which scoring
-   runs without autograd), `forward_replay` and `forward_prompt_backward` (the exact prompt
-   gradient: the prompt under autograd, handing its page state to `emit`); decoding will be one
-   more.
+   `forward_full`, `forward_capture` (the whole-shard reference), `forward_capture_block`
+   (streamed capture; under CP with `forward_capture_rows` first and `capture_exchange` between),
+   `forward_score` (default: `forward_replay`, which scoring runs without autograd),
+   `forward_replay`, `forward_prompt_backward` (the exact prompt gradient: the prompt under
+   autograd, handing its page state to `emit`) and `forward_decode`.
    When the prompt is sharded over CP, `forward_<mode>_sharded` is called instead where the family
    has one (the attention mixers' `models/context_parallel.py` pattern); a mixer without one
    handles CP in `forward_<mode>` (GDN's rows <-> heads exchange).
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_longstraw.models import partials
+from megatron_longstraw.pages import LayerRows
 from megatron_longstraw.state import AttentionPass, current_pass
 
 
@@ -127,6 +129,19 @@ class StateAwareMixer:
 
     def _keeps_grad(self, state: AttentionPass, kind: str) -> bool:
         return state.prompt_state_grad and state.pages.has_grad(self.layer_idx, kind)
+
+    def capture_keys(self, state: AttentionPass):
+        """Streamed capture: where this layer's key rows are read by global position, a window
+        or a selection at a time: its pages on one process (`pages.LayerRows`), every rank's
+        rows gathered in host memory under CP (`context_parallel.StreamedCapture`)."""
+        return state.streamed if state.cp.size > 1 else LayerRows(state.pages, self.layer_idx)
+
+    def capture_exchange(self, state: AttentionPass) -> None:
+        """Streamed capture under CP, between a layer's rows and attend phases (collective):
+        every rank's key rows of this layer gathered in host memory. A mixer whose CP is
+        another exchange (GDN's rows <-> heads) overrides it."""
+        state.streamed.gather_keys(state.pages, self.layer_idx, state.pages.kinds(self.layer_idx),
+                                   state.positions.device)
 
     def write_rows(self, state: AttentionPass, kind: str, rows: torch.Tensor) -> None:
         """Append per-token rows [n, ...] of `kind` (capture, in position order of this rank)."""

@@ -161,28 +161,45 @@ def prompt_backward_inputs_bytes(cfg, rows: int, act_bytes: float, prompt_len: i
     return total
 
 
-def streamed_capture_host(cfg, n: int, b: float, selection_width: int = 0) -> list[Item]:
-    """Streamed capture's host buffers beside the pages (capture.py, one process): the residual
-    stream [P, h] and, for DSA, the latest full indexer layer's selection [P, k] int32 (what
-    IndexShare reads). Freed when capture returns; their peak is capture's last layer, with the
-    pages nearly whole, so they count with the pages. Checked on CPU (tests/test_planner.py:
-    the live-bytes meter's host peak of a capture is the pages plus these, exactly)."""
-    items = [Item("capture residual stream [P, h] (host; streamed capture)", n * cfg.hidden_size * b,
-                  measured=True)]
+def streamed_capture_host(cfg, n: int, b: float, selection_width: int = 0, total: int = 0,
+                          gathered_values: int = 0, staged: bool = False) -> list[Item]:
+    """Streamed capture's host buffers beside the pages (capture.py): the residual stream [P/CP,
+    h] and, for DSA, the latest full indexer layer's selection [P/CP, k] int32 (what IndexShare
+    reads); under CP (`context_parallel.StreamedCapture`, `total` > 0) also every rank's key rows
+    of a layer, `gathered_values` per token in the activation dtype (one buffer per page kind,
+    reused by every layer), and with `staged` GDN's exchange buffer [P/CP, h]. Freed when capture
+    returns; their peak is capture's last layer, with the pages nearly whole, so they count with
+    the pages. Checked on CPU (tests/test_planner.py, tests/test_capture_streamed_cp.py: the
+    live-bytes meter's host peak of a capture is the pages plus these, exactly)."""
+    items = [Item("capture residual stream [P/CP, h] (host; streamed capture)",
+                  n * cfg.hidden_size * b, measured=True)]
     if selection_width:
-        items.append(Item("capture selection [P, topk] int32, latest full indexer layer (host)",
+        items.append(Item("capture selection [P/CP, topk] int32, latest full indexer layer (host)",
                           n * selection_width * 4, measured=True))
+    if total and gathered_values:
+        items.append(Item("capture gathered key rows of one layer [P, row] per kind (host; CP "
+                          "exchange)", total * gathered_values * b, measured=True))
+    if total and staged:
+        items.append(Item("capture GDN exchange buffer [P/CP, h] (host; CP)",
+                          n * cfg.hidden_size * b, measured=True))
     return items
 
 
-def streamed_capture_device(cfg, n: int, tb: int, b: float) -> list[Item]:
+def streamed_capture_device(cfg, n: int, tb: int, b: float, cp: int = 1,
+                            window_values: int = 0) -> list[Item]:
     """What every streamed capture layer holds on the device besides its own scratch: the one
-    prompt-sized table, the captured rows' positions [P] int64 (checked on CPU: the device peak
-    grows by exactly this from P to 4P), and one token block's input, normed input and output."""
-    return [Item("capture positions [P] int64 (the only prompt-sized device tensor)", 8 * n,
-                 measured=True),
-            Item("capture token block [token_block, h] x3 (input, normed input, output)",
-                 3 * tb * cfg.hidden_size * b)]
+    prompt-sized table, the captured rows' positions [P/CP] int64 (checked on CPU: the device
+    peak grows by exactly this from P to 4P, CP 1 and 2), one token block's input, normed input
+    and output, and under CP the exchange's key windows [token_block, row] (one per page kind,
+    `window_values` in all, kept from layer to layer)."""
+    items = [Item("capture positions [P/CP] int64 (the only prompt-sized device tensor)", 8 * n,
+                  measured=True),
+             Item("capture token block [token_block, h] x3 (input, normed input, output)",
+                  3 * tb * cfg.hidden_size * b)]
+    if cp > 1 and window_values:
+        items.append(Item("capture exchange windows [token_block, row] per key kind (CP)",
+                          tb * window_values * b))
+    return items
 
 
 def local_prompt_rows(prompt_len: int, cp: int) -> int:

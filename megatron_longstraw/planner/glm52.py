@@ -128,37 +128,21 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
                         qb * topk * d_qk * b + qb * H * topk * (b + 3 * acc), group="block")
     indexer = Item("indexer scores block [query_block, index_heads, key_block] fp32",
                    indexer_block(qb), group="block")
-    capture_host = []
-    if cp == 1:   # streamed: one token block at a time, keys read from the pages by windows
-        capture_attention = streamed_capture_device(cfg, n, tb, b) + [
-            Item("capture own rows of one token block [token_block, latent + index]",
-                 tb * (d_qk + di) * b),
-            Item("capture attention output of one token block [token_block, heads*v] x2 (block "
-                 "list + cat)", 2 * tb * H * cfg.v_head_dim * b),
-            Item("index-key window [key_block, index] (read from the pages)",
-                 spec.key_block * di * b + (spec.key_block * index_row + dequant(spec.key_block)
-                                            if fp8_keys else 0)),
-            indexer, sparse_block,
-        ]
-        capture_moe = capture_moe_items(cfg, spec, n, streamed=True)
-        capture_host = streamed_capture_host(cfg, n, b, min(topk, total))
-    else:
-        # parallel.gather_sequence: the whole prompt's keys on every rank, plus its buffers
-        gathered = max(2 * total * d_qk * b, total * d_qk * b + 2 * total * di * b) + 8 * total
-        capture_attention = [
-            Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)",
-                 2 * n * h * b),
-            Item("capture selection [P/CP, topk] int64 x2 (kept for IndexShare; grows by cat)",
-                 2 * n * min(topk, total) * 8),
-            Item("gathered prompt keys [P, latent + index] (CP all-gather)", gathered),
-            Item("capture own rows [P/CP, latent + index]", n * (d_qk + di) * b),
-            Item("capture attention output [P/CP, heads*v] x2 (block list + cat)",
-                 2 * n * H * cfg.v_head_dim * b),
-            indexer, sparse_block,
-        ]
-        capture_moe = capture_moe_items(cfg, spec, n, [
-            Item("capture selection [P/CP, topk] int64 (latest full indexer layer)",
-                 n * min(topk, total) * 8)])
+    # Streamed: one token block at a time, keys read by windows from the pages (one process) or,
+    # under CP, from every rank's rows gathered in host memory (context_parallel.StreamedCapture).
+    capture_attention = streamed_capture_device(cfg, n, tb, b, cp, d_qk + di) + [
+        Item("capture own rows of one token block [token_block, latent + index]",
+             tb * (d_qk + di) * b),
+        Item("capture attention output of one token block [token_block, heads*v] x2 (block "
+             "list + cat)", 2 * tb * H * cfg.v_head_dim * b),
+        Item("index-key window [key_block, index] (read from the pages)",
+             spec.key_block * di * b + (spec.key_block * index_row + dequant(spec.key_block)
+                                        if fp8_keys and cp == 1 else 0)),
+        indexer, sparse_block,
+    ]
+    capture_moe = capture_moe_items(cfg, spec, n, window_values=d_qk + di)
+    capture_host = streamed_capture_host(cfg, n, b, min(topk, total),
+                                         total if cp > 1 else 0, d_qk + di)
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents, the CP path builds a global
     # position lookup.

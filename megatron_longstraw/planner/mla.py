@@ -96,25 +96,15 @@ def ffn_saved(cfg, c: int, b: float, router_bytes: float,
 # ---- phase items --------------------------------------------------------------------------------
 
 
-def capture_moe_items(cfg, spec: PlanSpec, n: int, kept: Sequence[Item] = (),
-                      streamed: bool = False) -> list[Item]:
-    """A capture MoE layer over this rank's n prompt rows (common.run_group: equal token chunks
-    of at most token_block): the residual stream, `kept` (what the family's attention keeps
-    alive), one chunk's dispatch buffers. `streamed` (capture.py, one process): the layer sees one
-    token block at a time; the positions table is the only prompt-sized device tensor."""
+def capture_moe_items(cfg, spec: PlanSpec, n: int, window_values: int = 0) -> list[Item]:
+    """A capture MoE layer (capture.py, streamed): one token block of this rank's n prompt rows
+    at a time; the positions table is the only prompt-sized device tensor (and under CP the
+    exchange's key windows, `window_values` per row, stay); one block's dispatch buffers."""
     h, b = cfg.hidden_size, spec.act_bytes
-    if streamed:
-        tb = min(spec.token_block, max(n, 1))
-        chunk = tb if n else 0
-        activations = streamed_capture_device(cfg, n, tb, b)
-    else:
-        chunk = -(-n // max(1, -(-n // spec.token_block))) if n else 0
-        activations = [Item("capture residual stream [P/CP, h] x3 (layer input, chunk outputs, cat)",
-                            3 * n * h * b)]
-    routed = chunk * cfg.num_experts_per_tok * spec.moe_imbalance
+    tb = min(spec.token_block, max(n, 1))
+    routed = (tb if n else 0) * cfg.num_experts_per_tok * spec.moe_imbalance
     return [
-        *activations,
-        *kept,
+        *streamed_capture_device(cfg, n, tb, b, spec.cp, window_values),
         Item("MoE dispatch buffers (one token chunk: permuted, received, expert in/out)",
              routed * (4 * h * b + 3 * cfg.moe_intermediate_size * b)),
     ]

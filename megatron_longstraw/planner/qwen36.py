@@ -257,39 +257,25 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                                 + 3 * tokens * cfg.conv_dim() // cp * b  # conv input, output, silu
                                 + 3 * tokens * hv * dv * acc     # gated norm
                                 + fla_block(tokens))
-    residual = [Item("capture residual stream [P/CP, h] x3 (layer input, block outputs, cat)",
-                     3 * n * h * b)]
-    capture_host = []
-    if cp == 1:   # streamed: one token block at a time, K/V read from the pages by windows
-        block = streamed_capture_device(cfg, n, tb, b)
-        residual = block
-        capture_attention = block + [
-            Item("capture projections of one token block (q, gate [tb, heads, d], k, v)",
-                 tb * (2 * H + 2 * G) * d * b),
-            Item("K/V window [key_block, groups, d] x2 (read from the pages)", 2 * kb * G * d * b),
-            Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
-        ]
-        capture_gdn = block + [Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
-                                    "chunk kernel incl. per-chunk states) + the carried state "
-                                    "read from the pages", gdn_block(tb) + fixed)]
-        capture_host = streamed_capture_host(cfg, n, b)
-    else:
-        capture_attention = residual + [
-            Item("capture q, gate [P/CP, heads, d] and k, v [P/CP, groups, d] (whole shard)",
-                 n * (2 * H + 2 * G) * d * b),
-            Item("broadcast K/V shard [P/CP, groups, d] x2 + positions", n * (2 * G * d * b + 8)),
-            Item("running output + log-sum-exp merge [P/CP, heads, d] x3", 3 * n * H * d * b
-                 + 4 * n * H * acc),
-            Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
-        ]
-        capture_gdn = residual + [
-            Item("GDN in_proj output, head-parallel [P, in_proj_dim / CP] (all-to-all)",
-                 total * in_proj // cp * b),
-            Item("GDN mixed output [P, H_v / CP * d_v] (block list + cat + exchange back)",
-                 3 * total * hv * dv * b),
-            Item("GDN token block scratch (conv, gated norm, FLA chunk kernel incl. per-chunk "
-                 "states)", gdn_block(tb) - tb * in_proj // cp * b),
-        ]
+    # Streamed: one token block at a time, K/V read by windows from the pages (one process) or
+    # from every rank's rows gathered in host memory (CP); GDN under CP exchanges one global
+    # token block at a time (gdn.capture_exchange), its output rows staged in host memory.
+    residual = streamed_capture_device(cfg, n, tb, b, cp, 2 * G * d)
+    capture_attention = residual + [
+        Item("capture projections of one token block (q, gate [tb, heads, d], k, v)",
+             tb * (2 * H + 2 * G) * d * b),
+        Item("K/V window [key_block, groups, d] x2 (read from the pages)", 2 * kb * G * d * b),
+        Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
+    ]
+    capture_gdn = residual + [Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
+                                   "chunk kernel incl. per-chunk states) + the carried state",
+                                   gdn_block(tb) + fixed)]
+    if cp > 1:
+        capture_gdn.append(Item("GDN exchange of one global token block: in_proj rows [tb, "
+                                "in_proj_dim] x4 (output, padded, sent, received)",
+                                4 * tb * in_proj * b))
+    capture_host = streamed_capture_host(cfg, n, b, 0, total if cp > 1 else 0, 2 * G * d,
+                                         staged=cp > 1)
     capture_mlp = residual + [Item("MLP token chunk [token_block, 3 x ffn] + zero-centred norm "
                                    "fp32", tb * (3 * ffn * b + 2 * h * acc))]
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs, so one

@@ -91,17 +91,28 @@ class LongStrawMLADenseAttention(AbsorbedMLA):
 
     def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt (streamed capture, one process): its latent rows are
-        appended to the pages, and its queries attend over the pages' rows so far, read one key
-        window at a time (`partials.PageWindows`, MQA: keys the rows, values their c_kv part)."""
-        latents = self._latent_rows(x, state.positions)
-        self.write_rows(state, LATENT, latents)
-        device, dtype, pages, rank = x.device, latents.dtype, state.pages, self.config.kv_lora_rank
+        appended to the pages, then attended with the earlier ones
+        (`forward_capture_block_sharded`)."""
+        self.forward_capture_rows(x, state)
+        return self.forward_capture_block_sharded(x, state)
+
+    def forward_capture_rows(self, x: torch.Tensor, state: AttentionPass):
+        """The block's latent rows to the pages; nothing attended."""
+        self.write_rows(state, LATENT, self._latent_rows(x, state.positions))
+        return torch.zeros_like(x), None
+
+    def forward_capture_block_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """The block's queries over the layer's latent rows at positions up to the block's last,
+        read one key window at a time from `capture_keys` (the pages, or under CP every rank's
+        rows in host memory; `partials.PageWindows`, MQA: keys the rows, values their c_kv
+        part)."""
+        keys, device, dtype, rank = self.capture_keys(state), x.device, x.dtype, self.config.kv_lora_rank
 
         def read(start, end):
-            rows = pages.window(self.layer_idx, LATENT, start, end, device).to(dtype)
+            rows = keys.window(LATENT, start, end, device).to(dtype)
             return rows[:, None, :], rows[:, None, :rank]
 
-        part = partials.PageWindows(read, state.block_start + x.shape[0], 1, rank)
+        part = partials.PageWindows(read, int(state.positions[-1]) + 1, 1, rank)
         return self._project_out(self._attend(x, state.positions, [part], state))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):

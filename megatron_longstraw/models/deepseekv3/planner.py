@@ -78,31 +78,18 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     tb = min(spec.token_block, max(n, 1))
     dense_block = Item("dense attention block: absorbed queries + [query_block, heads, key_block] "
                        "scores", qb * H * d_qk * b + scores(qb), group="block")
-    capture_host = []
-    if cp == 1:   # streamed: one token block at a time, latent rows read from the pages by windows
-        capture_attention = streamed_capture_device(cfg, n, tb, b) + [
-            Item("capture latent rows of one token block [token_block, latent]", tb * d_qk * b),
-            Item("latent window [key_block, latent] (read from the pages)",
-                 spec.key_block * d_qk * b),
-            Item("capture attention output of one token block [token_block, heads*v] x2 (block "
-                 "list + cat)", 2 * tb * H * v * b),
-            dense_block,
-        ]
-        capture_moe = capture_moe_items(cfg, spec, n, streamed=True)
-        capture_host = streamed_capture_host(cfg, n, b)
-    else:
-        shard = local_prompt_rows(prompt_len, cp)
-        capture_attention = [
-            Item("capture residual stream [P/CP, h] x2 (layer input, input-norm output)",
-                 2 * n * h * b),
-            Item("capture latent rows [P/CP, latent] (the local shard)", n * d_qk * b),
-            Item("ring attention: one broadcast shard of latent rows + positions (CP)",
-                 shard * (d_qk * b + 8)),
-            Item("capture attention output [P/CP, heads*v] x2 (running + partial)",
-                 2 * n * H * v * b),
-            dense_block,
-        ]
-        capture_moe = capture_moe_items(cfg, spec, n)
+    # Streamed: one token block at a time, latent rows read by windows from the pages (one
+    # process) or from every rank's rows gathered in host memory (CP).
+    capture_attention = streamed_capture_device(cfg, n, tb, b, cp, d_qk) + [
+        Item("capture latent rows of one token block [token_block, latent]", tb * d_qk * b),
+        Item("latent window [key_block, latent] (read from the pages)",
+             spec.key_block * d_qk * b),
+        Item("capture attention output of one token block [token_block, heads*v] x2 (block "
+             "list + cat)", 2 * tb * H * v * b),
+        dense_block,
+    ]
+    capture_moe = capture_moe_items(cfg, spec, n, window_values=d_qk)
+    capture_host = streamed_capture_host(cfg, n, b, 0, total if cp > 1 else 0, d_qk)
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages), attention cats [prefix; branch] latents.
     common = [Item("streamed page window (2 layers' local pages + latent cat copy)",

@@ -98,15 +98,26 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt (streamed capture, one process): its rows are appended to
-        the pages; per query block, the top-k is scored over the index-key pages one key window at
-        a time (running top-k), and only the selected latent rows are read back from the pages
-        (`partials.PageRows` over them). Device memory: a block's rows, a window, a query block's
-        selected rows; never the layer's pages."""
+        the pages, then attended with the earlier ones (`forward_capture_block_sharded`)."""
+        self.forward_capture_rows(x, state)
+        return self.forward_capture_block_sharded(x, state)
+
+    def forward_capture_rows(self, x: torch.Tensor, state: AttentionPass):
+        """The block's latent rows and index keys to the pages; nothing attended."""
         latents, index_keys = self._token_rows(x, state)
         self.write_rows(state, LATENT, latents)
         if index_keys is not None:
             self.write_rows(state, INDEX_KEY, index_keys)
-        num_keys = state.block_start + x.shape[0]
+        return torch.zeros_like(x), None
+
+    def forward_capture_block_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """The block's queries over the layer's rows so far (`capture_keys`: the pages, or under
+        CP every rank's rows in host memory): per query block, the top-k is scored over the
+        index keys one key window at a time (running top-k), and only the selected latent rows
+        are read. Device memory: a block's rows, a window, a query block's selected rows; never
+        the layer's pages."""
+        keys = self.capture_keys(state)
+        num_keys = int(state.positions[-1]) + 1
         k = min(self.config.dsa_indexer_topk, state.cp.global_len)
         outputs = []
         for start in range(0, x.shape[0], state.query_block):
@@ -115,22 +126,22 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             q_compressed, query = self._queries(x[start:end], positions)
             selection = self._selection(x[start:end], q_compressed, state, start, end,
                                         lambda q_index, w: self._topk_pages(
-                                            q_index, w, state, num_keys, positions, k))
-            rows, local = self._selected_page_rows(state, selection, x.device, latents.dtype)
+                                            q_index, w, keys, state, num_keys, positions, k))
+            rows, local = self._selected_page_rows(keys, selection, x.device, x.dtype)
             out_latent, _ = partials.sparse_mla(query, [rows], local, self.softmax_scale,
                                                 self.config.kv_lora_rank)
             outputs.append(self._up_project_values(out_latent))
         return self._project_out(torch.cat(outputs))
 
-    def _topk_pages(self, q_index, weights, state: AttentionPass, num_keys: int,
+    def _topk_pages(self, q_index, weights, keys, state: AttentionPass, num_keys: int,
                     query_positions, k: int) -> torch.Tensor:
-        """Top-k over this layer's index-key pages [0, num_keys), one key window at a time ->
-        [s, k] global positions (one process: row = position)."""
+        """Top-k over this layer's index keys at positions [0, num_keys), read from `keys`
+        (`capture_keys`) one key window at a time -> [s, k] global positions."""
         cfg = self.config
 
         def read(start, end):
-            keys = state.pages.window(self.layer_idx, INDEX_KEY, start, end, q_index.device)
-            return keys, torch.arange(start, end, device=q_index.device)
+            return (keys.window(INDEX_KEY, start, end, q_index.device),
+                    torch.arange(start, end, device=q_index.device))
 
         idx, _ = refs.indexer_topk_windows(q_index, weights, read, num_keys, query_positions, k,
                                            scale=cfg.dsa_indexer_head_dim ** -0.5,
@@ -138,13 +149,13 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                                            key_block=state.key_block)
         return idx
 
-    def _selected_page_rows(self, state: AttentionPass, selection: torch.Tensor, device, dtype):
+    def _selected_page_rows(self, keys, selection: torch.Tensor, device, dtype):
         """The latent rows a selection [s, k] (global positions, -1 = none) reads, gathered from
-        the pages -> (rows [u, d_qk], indices [s, k] into them)."""
+        `keys` (`capture_keys`) -> (rows [u, d_qk], indices [s, k] into them)."""
         used, local = partials.compact_selection(selection)
         if used is None:                      # nothing selected: one row keeps the shapes valid
             used = selection.new_zeros(1)
-        rows = state.pages.gather(self.layer_idx, LATENT, used, device).to(dtype)
+        rows = keys.gather(LATENT, used, device).to(dtype)
         return rows, local
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
@@ -424,7 +435,8 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         buffer = state.selections.get(self.layer_idx)
         if buffer is None:
             state.selections.clear()
-            buffer = note_host(torch.empty((state.cp.global_len, selection.shape[1]),
+            rows = state.cp.layout.shard_len(state.cp.global_len)   # this rank's captured rows
+            buffer = note_host(torch.empty((rows, selection.shape[1]),
                                            dtype=torch.int32, device=state.pages.storage_device))
             state.selections[self.layer_idx] = buffer
         buffer[row:row + selection.shape[0]] = selection.to(buffer.device, torch.int32)

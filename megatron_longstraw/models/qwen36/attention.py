@@ -67,16 +67,36 @@ class LongStrawGatedSelfAttention(StateAwareMixer, SelfAttention):
 
     def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt (streamed capture, one process): its K/V rows are
-        appended to the pages, and its queries attend over the pages' rows so far, read one key
-        window at a time (`partials.PageWindows`)."""
+        appended to the pages, and its queries attend over the pages' rows so far
+        (`_attend_capture_keys`)."""
         q, k, v, gate = self._project(x, state.positions)
         self.write_rows(state, KEY, k)
         self.write_rows(state, VALUE, v)
-        device, dtype, pages = x.device, k.dtype, state.pages
+        return self._attend_capture_keys(q, gate, state)
+
+    def forward_capture_rows(self, x: torch.Tensor, state: AttentionPass):
+        """Streamed capture under CP, a layer's first phase: the block's K/V rows to the pages."""
+        _, k, v, _ = self._project(x, state.positions)
+        self.write_rows(state, KEY, k)
+        self.write_rows(state, VALUE, v)
+        return torch.zeros_like(x), None
+
+    def forward_capture_block_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """Streamed capture under CP: the block's queries over every rank's K/V rows of the layer
+        (gathered in host memory by `capture_exchange`). K/V are projected again with the
+        queries (one GEMM; its K/V columns are a few % of it)."""
+        q, _, _, gate = self._project(x, state.positions)
+        return self._attend_capture_keys(q, gate, state)
+
+    def _attend_capture_keys(self, q, gate, state: AttentionPass):
+        """The block's queries over the layer's K/V rows at positions up to the block's last,
+        read one key window at a time from `capture_keys` (`partials.PageWindows`)."""
+        keys, device, dtype = self.capture_keys(state), q.device, q.dtype
         part = partials.PageWindows(
-            lambda start, end: (pages.window(self.layer_idx, KEY, start, end, device).to(dtype),
-                                pages.window(self.layer_idx, VALUE, start, end, device).to(dtype)),
-            state.block_start + x.shape[0], k.shape[1], v.shape[-1])
+            lambda start, end: (keys.window(KEY, start, end, device).to(dtype),
+                                keys.window(VALUE, start, end, device).to(dtype)),
+            int(state.positions[-1]) + 1, self.num_query_groups_per_partition,
+            self.hidden_size_per_attention_head)
         return self.linear_proj(self._gate(self._attend(q, [part], state.positions, state), gate))
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):

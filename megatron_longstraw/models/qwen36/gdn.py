@@ -50,6 +50,7 @@ from megatron_longstraw.state import AttentionPass
 
 GDN_STATE = "gdn_state"  # fixed page kind: recurrent state [H_v, d_k, d_v] after the prefix
 CONV_TAIL = "conv_tail"  # fixed page kind: last kernel - 1 conv inputs [kernel - 1, conv_dim]
+STAGED = "gdn"           # streamed capture under CP: the host buffer of the exchange
 
 
 RECURRENT_MAX_TOKENS = 8
@@ -98,6 +99,44 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         self.write_state(state, GDN_STATE, recurrent[0])
         self.write_state(state, CONV_TAIL, conv_tail)
         return self.out_proj(mixed)
+
+    def forward_capture_rows(self, x: torch.Tensor, state: AttentionPass):
+        """Streamed capture under CP, a layer's first phase: the block's mixer input into a host
+        buffer of this rank's rows (`capture_exchange` runs the recurrence over it)."""
+        staged = state.streamed.buffer(STAGED, (state.streamed.local_len,) + tuple(x.shape[1:]),
+                                       x.dtype)
+        staged[state.block_start:state.block_start + x.shape[0]].copy_(x)
+        return torch.zeros_like(x), None
+
+    def capture_exchange(self, state: AttentionPass) -> None:
+        """Streamed capture under CP (collective): one global token block at a time, in order,
+        every rank's rows of the block go to this rank's heads (`HeadParallel`), the recurrence
+        continues from the carried (conv tail, state), and the outputs go back to their rows and
+        through `out_proj` into the host buffer, in place of the block's inputs. The final pair is
+        this rank's heads' pages. The blocks are one process's token blocks, so each head runs
+        the one-process computation."""
+        streamed, layout, total = state.streamed, state.cp.layout, state.cp.global_len
+        staged = streamed.buffer(STAGED)
+        device = state.positions.device
+        conv_tail = recurrent = None
+        for start in range(0, total, state.token_block):
+            end = min(start + state.token_block, total)
+            lo, hi = layout.shard_rows_within(total, start, end)
+            rows = staged[lo:hi].to(device)
+            if conv_tail is None:
+                conv_tail, recurrent = self._zero_state(rows)
+            exchange = HeadParallel.for_prompt_block(layout, total, start, end, device)
+            projected = self._to_heads(self.in_proj(rows)[0], exchange)
+            mixed, conv_tail, recurrent = self._mix(projected, conv_tail, recurrent, True)
+            out, streamed.bias = self.out_proj(self._to_rows(mixed, exchange))
+            staged[lo:hi].copy_(out)
+        self.write_state(state, GDN_STATE, recurrent[0])
+        self.write_state(state, CONV_TAIL, conv_tail)
+
+    def forward_capture_block_sharded(self, x: torch.Tensor, state: AttentionPass):
+        """Streamed capture under CP: the block's mixer output, computed by `capture_exchange`."""
+        rows = state.streamed.buffer(STAGED)[state.block_start:state.block_start + x.shape[0]]
+        return rows.to(x.device), state.streamed.bias
 
     def forward_prompt_backward(self, x: torch.Tensor, state: AttentionPass):
         """One token block of the prompt under autograd (one process), continuing from the state

@@ -1,0 +1,141 @@
+"""Streamed capture under context parallelism (capture.py, `context_parallel.StreamedCapture`), on
+real processes over gloo: the same pages as the whole-shard capture, and device memory flat in
+the prompt length.
+
+Under CP each layer runs in three phases over a rank's token blocks: the key rows to its pages,
+an exchange through host memory (attention: every rank's rows gathered in position order; GDN: the
+recurrence per global token block over the rank's heads), then the blocks' queries and FFN/MoE.
+The whole-shard capture (`capture="whole"`) is the reference: it all-gathers (GLM-5.2's DSA) or
+rings (Qwen3.6's attention, DeepSeek-V3) the shard's keys on the device and runs GDN's exchange
+over the whole shard."""
+
+import pytest
+import torch
+
+import dist_workers
+from distributed import run_ranks
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+BLOCKS = dict(key_block=32, query_block=16, token_block=48)
+
+
+def _weights(tmp_path, family):
+    from test_capture_streamed import _build
+
+    _, model = _build(family, torch.float64)
+    path = tmp_path / f"{family}.pt"
+    torch.save({k: v.clone() for k, v in model.state_dict().items()
+                if not k.endswith("_extra_state")}, path)
+    return str(path)
+
+
+FAMILIES = ["glm52", "qwen36", "deepseekv3"]
+LENGTHS = (193, 769)            # P and 4P: 96 and 384 captured rows per rank
+POSITIONS_BYTES = 8             # per captured row: the positions table (int64)
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    """Every family captured on 2 ranks (one process each), whole and streamed; and, on one
+    process, the streamed capture of the same prompt (fp64)."""
+    from test_capture_streamed import _build
+    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.config import LongStrawConfig
+
+    tmp = tmp_path_factory.mktemp("weights")
+    cases = [(family, 2, 1, _weights(tmp, family), LENGTHS) for family in FAMILIES]
+    ranks = run_ranks(dist_workers.streamed_capture_worker, 2, cases=cases, blocks=BLOCKS)
+    one_process = {}
+    for family in FAMILIES:
+        cfg, model = _build(family, torch.float64)
+        ids = torch.randint(0, cfg.vocab_size, (LENGTHS[0],),
+                            generator=torch.Generator().manual_seed(LENGTHS[0]))
+        ls = LongStrawConfig(group_size=2, page_tokens=64, **BLOCKS)
+        one_process[family] = cfg, capture_prompt(model, ids, ls).pages
+    return {family: ([out[i] for out in ranks], *one_process[family])
+            for i, family in enumerate(FAMILIES)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp2_streamed_capture_equals_whole_shard_capture(cp2, family):
+    """fp64, CP 2, P = 193 (2 token blocks per rank): every page, layer input and top-k selection
+    of the streamed capture against the whole-shard capture. GLM-5.2 bitwise (both gather every
+    key and score it in the same key blocks); Qwen3.6 and DeepSeek-V3 within 1e-13: the whole
+    shard's ring merges each rank's keys by log-sum-exp in rank order, streamed capture reads them
+    in position order (different summation order, nothing else). Each rank's key rows also equal
+    one process's streamed capture at that rank's positions, bitwise: the same windows."""
+    ranks, _, one_process = cp2[family]
+    for out in ranks:
+        whole, streamed = out["whole"], out["streamed"]
+        assert whole["pages"].keys() == streamed["pages"].keys()
+        for key, page in whole["pages"].items():
+            if family == "glm52":
+                assert torch.equal(page, streamed["pages"][key]), key
+            else:
+                torch.testing.assert_close(streamed["pages"][key], page, rtol=0, atol=1e-13)
+        for x, y in zip(whole["layer_inputs"], streamed["layer_inputs"], strict=True):
+            if family == "glm52":
+                assert torch.equal(x, y)
+            else:
+                torch.testing.assert_close(y, x, rtol=0, atol=1e-13)
+        assert whole["selections"].keys() == streamed["selections"].keys()
+        for layer, selection in whole["selections"].items():
+            assert torch.equal(selection, streamed["selections"][layer]), layer
+        positions = streamed["positions"]
+        for (layer, kind), page in streamed["pages"].items():
+            if kind in one_process.kinds(layer) and page.shape[0] == positions.numel():
+                assert torch.equal(page, one_process.fetch(layer, kind)[positions]), (layer, kind)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp2_streamed_capture_device_bytes_flat(cp2, family):
+    """fp64, CP 2, P = 193 and 769 (96 and 384 captured rows per rank, token blocks of
+    48): on every rank the streamed capture's device peak (live-bytes meter, host storage left
+    out) grows by the positions table (8 B per added row) within the stated per-block bytes: one
+    token block of the residual stream (which block's transients make the peak may differ), one
+    gathered window of the widest key row (48 rows) and, DSA, the selected latent rows of one
+    query block (16 queries x top-k). The whole-shard capture grows by far more (the meter tells
+    them apart: over 100 B per added row). The planner at CP 2: its one prompt-sized device line
+    (positions) grows by the same 8 B per row, and the host peak is the pages plus its capture
+    host lines (residual stream, selection, every rank's rows of a layer, GDN's exchange buffer),
+    exactly."""
+    from megatron_longstraw import planner
+
+    ranks, cfg, _ = cp2[family]
+    streamed_pages = ranks[0]["streamed"]
+    row_bytes = max(page.element_size() * page[0].numel()
+                    for (layer, kind), page in streamed_pages["pages"].items()
+                    if page.shape[0] == streamed_pages["positions"].numel())
+    residual = streamed_pages["layer_inputs"][0]
+    block_bytes = BLOCKS["token_block"] * residual[0].numel() * residual.element_size()
+    slack = block_bytes + BLOCKS["token_block"] * row_bytes     # a block, a gathered window
+    if family == "glm52":
+        from helpers import tiny_glm_config
+
+        slack += BLOCKS["query_block"] * tiny_glm_config().index_topk * row_bytes
+    for rank, out in enumerate(ranks):
+        streamed, whole = out["peaks"]["streamed"], out["peaks"]["whole"]
+        added = streamed[1]["local_rows"] - streamed[0]["local_rows"]
+        growth = streamed[1]["device"] - streamed[0]["device"]
+        whole_growth = whole[1]["device"] - whole[0]["device"]
+        print(f"{family} rank {rank}: streamed {streamed[0]['device']} -> {streamed[1]['device']} B "
+              f"(growth {growth}, positions {POSITIONS_BYTES * added}, slack {slack}); whole "
+              f"{whole[0]['device']} -> {whole[1]['device']} B")
+        assert abs(growth - POSITIONS_BYTES * added) <= slack
+        assert whole_growth > 100 * added
+        planned = []
+        for prompt_len, peak in zip(LENGTHS, streamed):
+            spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len, group_size=2,
+                                    response_len=16, cp=2, weight_bytes=8, act_bytes=8,
+                                    latent_bytes=8, index_key_bytes=8, page_tokens=64, **BLOCKS)
+            plan = planner.plan(spec, search_max=False)
+            capture_host = [i for i in plan.host_items if i.name.startswith("capture")]
+            assert capture_host and all(i.measured for i in capture_host)
+            assert plan.host_page_bytes_per_rank == peak["pages"]
+            assert peak["host"] == peak["pages"] + sum(i.bytes for i in capture_host)
+            tables = {sum(i.bytes for i in items if i.measured)
+                      for name, items in plan.phases.items() if name.startswith("capture")}
+            assert len(tables) == 1            # every capture phase holds the same table
+            planned.append(tables.pop())
+        assert planned[1] - planned[0] == POSITIONS_BYTES * added
