@@ -69,9 +69,13 @@ demo-rl: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings --durations=25 tests
 
-# LongStraw against conventional GRPO on CPU (tiny GLM-5.2): table, JSON and plot in runs/bench/.
+# The measured largest-P table (README "Benchmark"): LongStraw at P = 4K..128K and conventional GRPO
+# until it passes a 2.5 GiB RSS cap, one process each, bench-size GLM-5.2 (examples/glm52/bench.yaml),
+# plus capture against a no-grad forward at 4K and 32K (3 pairs each, median); runs/bench/bench-sweep.{md,json}.
+# About an hour, one point at a time (LongStraw at 128K and conventional at 32K and 64K take most).
+# The quick comparison (tiny GLM-5.2, largest P predicted, not measured): tools/bench.py --quick.
 bench: $(VENV)/.installed
-	$(PY) tools/bench.py --quick
+	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3
 
 # Detached vs exact prompt gradient (tiny GLM-5.2, one process): JSON, table, TensorBoard and a
 # PNG in runs/gradient-bias/.

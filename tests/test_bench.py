@@ -76,3 +76,157 @@ def test_bench_quick_sweep(tmp_path):
         if key.startswith("longstraw"):
             assert growth["saved_ratio"] == pytest.approx(1.0, rel=0.2)
     assert summary["largest_prompt_ratio_G2"] > 1
+
+
+# ---- the measured largest-P sweep: summary logic on synthetic results (no child processes) ------
+
+MiB = 2 ** 20
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tool", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _point(method, p, rss_mib, capture=None, forward=None, pages=0):
+    phases = {"capture": capture} if capture is not None else {}
+    if forward is not None:
+        phases = {"forward": forward}
+    return {"method": method, "prompt_len": p, "group_size": 2, "peak_rss_bytes": rss_mib * MiB,
+            "live_peak_bytes": rss_mib * MiB // 4, "page_bytes": pages, "step_seconds": 3.0,
+            "phase_seconds": phases}
+
+
+def test_sweep_conventional_stops_at_first_point_over_cap():
+    bench = _bench_module()
+    cap = 1000 * MiB
+    rss = {4096: 700, 8192: 900, 16384: 1100, 32768: 1500}
+    asked = []
+
+    def run(p):
+        asked.append(p)
+        return _point("conventional", p, rss[p])
+
+    out = bench.sweep_until_over([32768, 4096, 16384, 8192], run, cap)
+    assert asked == [4096, 8192, 16384]                      # growing P, nothing after 16K
+    assert bench.exceeds_cap(out[-1], cap) and not bench.exceeds_cap(out[-2], cap)
+    # A watchdog kill counts as over the cap and stops the sweep too; exactly the cap fits.
+    killed = {"method": "conventional", "prompt_len": 4096, "exceeded_cap": True,
+              "killed_at_rss_bytes": 1001 * MiB, "error": "exceeded the cap"}
+    assert bench.sweep_until_over([4096, 8192], lambda p: killed, cap) == [killed]
+    assert bench.fits_cap(_point("longstraw", 4096, 1000), cap)
+    assert not bench.fits_cap(killed, cap) and bench.exceeds_cap(killed, cap)
+
+
+def test_summarise_sweep_largest_measured_p_and_capture_ratio():
+    bench = _bench_module()
+    cap = 1000 * MiB
+    results = [
+        _point("forward", 4096, 600, forward=2.0),
+        _point("longstraw", 4096, 610, capture=2.08, pages=10),
+        _point("conventional", 4096, 800),
+        _point("longstraw", 8192, 620, capture=5.0, pages=20),
+        {"method": "conventional", "prompt_len": 8192, "group_size": 2, "exceeded_cap": True,
+         "killed_at_rss_bytes": 1010 * MiB, "error": "exceeded the cap"},
+        _point("forward", 32768, 600, forward=10.0),
+        _point("longstraw", 32768, 990, capture=11.0, pages=80),
+        _point("longstraw", 65536, 1200, capture=40.0, pages=160),   # ran, but over the cap
+    ]
+    s = bench.summarise_sweep(results, cap, [4096, 8192, 32768, 65536], [4096, 32768])
+    assert s["largest_measured_under_cap"] == {"longstraw": 32768, "conventional": 4096}
+    assert s["first_over_cap"] == {"longstraw": 65536, "conventional": 8192}
+    assert s["largest_measured_ratio"] == 8
+    rows = {row["prompt_len"]: row for row in s["rows"]}
+    assert rows[8192]["conventional"] == {"status": "exceeds cap", "rss_bytes": 1010 * MiB}
+    assert rows[32768]["conventional"] == {"status": "not run"}
+    assert rows[65536]["longstraw"]["status"] == "exceeds cap"
+    assert rows[32768]["longstraw"]["peak_rss_bytes"] == 990 * MiB
+    assert rows[32768]["longstraw"]["page_bytes"] == 80
+    cvf = s["capture_vs_forward"]
+    assert cvf["P=4096"]["ratio"] == 2.08 / 2.0 and cvf["P=4096"]["within_limit"]
+    assert cvf["P=32768"]["ratio"] == 1.1 and not cvf["P=32768"]["within_limit"]
+    table = bench.markdown_sweep(s, {"config": "examples/glm52/bench.yaml", "group_size": 2,
+                                     "response_len": 32})
+    assert "**exceeds cap** (killed at 1,010)" in table
+    assert "not run (over the cap at P = 8,192)" in table
+    assert "LongStraw 32,768, conventional GRPO 4,096 (x8)" in table
+    assert "x1.040 (within x1.05)" in table and "x1.100 (NOT within x1.05)" in table
+    assert "cpu_ratio" not in cvf["P=4096"]                 # no CPU seconds in these runs
+    # With the children's CPU seconds the CPU-time ratio is given too, from the same two runs.
+    results[0]["cpu_seconds"], results[1]["cpu_seconds"] = {"forward": 2.0}, {"capture": 2.2}
+    s = bench.summarise_sweep(results, cap, [4096], [4096])
+    assert s["capture_vs_forward"]["P=4096"]["cpu_ratio"] == 1.1
+    assert not s["capture_vs_forward"]["P=4096"]["cpu_within_limit"]
+    assert "CPU time: 2.20 s / 2.00 s = x1.100 (NOT within)" in bench.markdown_sweep(
+        s, {"config": "c", "group_size": 2, "response_len": 32})
+    # Without a forward run at a requested P the ratio is reported missing, not invented.
+    s = bench.summarise_sweep(results[1:], cap, [4096], [4096])
+    assert "error" in s["capture_vs_forward"]["P=4096"]
+
+
+def test_bench_yaml_follows_glm52_width_ratios():
+    import yaml
+
+    bench, full = (yaml.safe_load((ROOT / "examples" / "glm52" / f"{n}.yaml").read_text())["model"]
+                   for n in ("bench", "full"))
+    latent = lambda m: m["hidden_size"] / (m["kv_lora_rank"] + m["qk_rope_head_dim"])
+    assert abs(latent(bench) - latent(full)) < 0.05                   # 10.67
+    for key in ("qk_nope_head_dim", "v_head_dim"):
+        assert bench[key] / bench["qk_rope_head_dim"] == full[key] / full["qk_rope_head_dim"]
+    assert bench["intermediate_size"] / bench["hidden_size"] == 2
+
+
+def test_capture_vs_forward_pairs_repeats_by_index_and_takes_the_median(tmp_path):
+    bench = _bench_module()
+    cap = 1000 * MiB
+    runs = []
+    for k, (fw, cap_s) in enumerate([(2.0, 2.2), (2.0, 1.9), (2.0, 2.0)]):
+        f, c = _point("forward", 4096, 600, forward=fw), _point("longstraw", 4096, 600, capture=cap_s)
+        if k:
+            f["repeat"] = c["repeat"] = k
+        runs += [f, c]
+    runs[-1]["peak_rss_bytes"] = 5000 * MiB       # a repeat never enters the capacity rows
+    s = bench.summarise_sweep(runs, cap, [4096], [4096])
+    v = s["capture_vs_forward"]["P=4096"]
+    assert v["pairs"] == 3 and v["ratios"] == [1.1, 0.95, 1.0] and v["ratio"] == 1.0
+    assert v["within_limit"] and s["largest_measured_under_cap"]["longstraw"] == 4096
+    # --from-json: a second file's pairs become further repeats of the first file's sweep.
+    sweep = {"settings": {"cap_bytes": cap, "points": [4096], "forward_points": [4096],
+                          "config": "c", "group_size": 2, "response_len": 32},
+             "results": runs[:2], "summary": {"wall_seconds": 60.0}}
+    extra = {"settings": sweep["settings"], "results": runs[2:4]}
+    (tmp_path / "a.json").write_text(json.dumps(sweep))
+    (tmp_path / "b.json").write_text(json.dumps(extra))
+    args = bench.parse_args(["--from-json", str(tmp_path / "a.json"),
+                             "--timing-json", str(tmp_path / "b.json"), "--out-dir", str(tmp_path)])
+    v = bench.render_sweep(args)["summary"]["capture_vs_forward"]["P=4096"]
+    assert v["ratios"] == [1.1, 0.95] and v["ratio"] == (1.1 + 0.95) / 2
+    assert "median of 2 pairs" in (tmp_path / "bench-sweep-merged.md").read_text()
+
+
+def test_merged_sweeps_take_later_points_and_the_last_cap(tmp_path):
+    bench = _bench_module()
+    base = {"forward_points": [], "config": "c", "group_size": 2, "response_len": 32}
+    killed = {"method": "conventional", "prompt_len": 8192, "group_size": 2, "exceeded_cap": True,
+              "killed_at_rss_bytes": 1001 * MiB, "error": "exceeded the cap"}
+    low = {"settings": {**base, "cap_bytes": 1000 * MiB, "points": [4096, 8192]},
+           "results": [_point("longstraw", 4096, 900, capture=1.0), _point("conventional", 4096, 950), killed]}
+    # Killed at 1001 MiB under a 1000 MiB cap: under a 2000 MiB cap that is not a measurement.
+    assert bench.exceeds_cap(killed, 1000 * MiB) and not bench.exceeds_cap(killed, 2000 * MiB)
+    assert not bench.fits_cap(killed, 2000 * MiB)
+    high = {"settings": {**base, "cap_bytes": 2000 * MiB, "points": [8192, 16384]},
+            "results": [_point("conventional", 8192, 1500),
+                        {**killed, "prompt_len": 16384, "killed_at_rss_bytes": 2001 * MiB},
+                        _point("longstraw", 16384, 1200, capture=3.0)]}
+    (tmp_path / "low.json").write_text(json.dumps(low))
+    (tmp_path / "high.json").write_text(json.dumps(high))
+    args = bench.parse_args(["--from-json", f"{tmp_path / 'low.json'},{tmp_path / 'high.json'}",
+                             "--out-dir", str(tmp_path)])
+    s = bench.render_sweep(args)["summary"]
+    assert s["cap_bytes"] == 2000 * MiB and s["points"] == [4096, 8192, 16384]
+    assert s["largest_measured_under_cap"] == {"longstraw": 16384, "conventional": 8192}
+    assert s["first_over_cap"]["conventional"] == 16384

@@ -1,6 +1,7 @@
 """LongStraw against conventional GRPO on CPU: same tiny model (GLM-5.2 unless --family), same
 weights, same data.
 
+    python tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3   # `make bench`: measured largest-P table
     python tools/bench.py --quick                       # under 5 minutes
     python tools/bench.py --points 4096,8192,16384 --groups 2,8 --cap-gib 4 --json runs/bench/bench.json
 
@@ -32,11 +33,28 @@ OMP_NUM_THREADS=1 and MALLOC_MMAP_THRESHOLD_=1048576 (RSS drift).
 Memory: per-process peak RSS (ru_maxrss: weights, pages, activations, allocator slack), the peak
 of live saved-tensor bytes (`memory.SavedTensorMeter`: what autograd holds outside checkpoint
 frames) and the peak of live tensor bytes from the allocator, per phase for LongStraw
-(`memory.LiveBytesMeter`: every allocation, inside checkpoint frames too). The largest P under `--cap-gib` is predicted from measured growth: the peak RSS of the
-largest measured P plus a least-squares slope over the points at P >= one key block (below it the
-indexer-score scratch still grows), never below the captured page bytes per token (they persist to
-the end of the step); the report says how far it extrapolates. (No RLIMIT_AS run: the DSA indexer
-is O(P^2) in time on both paths, so P near the cap is out of reach on a CPU.)
+(`memory.LiveBytesMeter`: every allocation, inside checkpoint frames too; on CPU host buffers
+such as the pages and the residual stream included).
+
+The measured largest-P table (`--sweep`, what `make bench` runs; model examples/glm52/bench.yaml,
+GLM-5.2's width ratios): LongStraw at every `--sweep-points` P (default 4K..128K, doubling),
+conventional GRPO at the same P in growing order until the first point over `--cap-gib`, and the
+no-grad forward at `--forward-points` (default 4K and 32K) for capture / forward. A point fits if it
+ran to the end with peak RSS (ru_maxrss) <= the cap; a watchdog here reads each child's RSS every
+0.05 s and kills it the first time it is above the cap (recorded as `exceeded_cap`, with the RSS
+seen), so no run grows past the cap by more than what it allocates in 0.05 s. Every number in that
+table is a run. Capture / forward: wall seconds of capture (the step's `capture` phase) over those
+of the forward, and the same for the child's CPU seconds (user + sys, one thread: what other load on
+the machine moves least); `--timing-repeats N` adds pairs at the end and reports the median.
+Output: runs/bench/bench-sweep.{json,md} (the JSON rewritten after every point);
+`--from-json a.json,b.json` renders the table again from saved runs (b's points replace a's; b's
+cap), `--timing-json c.json` adds c's capture / forward pairs as repeats.
+
+Prediction (the other modes, not the sweep): the largest P under `--cap-gib` is *predicted* from
+measured growth: the peak RSS of the largest measured P plus a least-squares slope over the points
+at P >= one key block (below it the indexer-score scratch still grows), never below the captured
+page bytes per token (they persist to the end of the step); the report labels it a prediction and
+says how far it extrapolates.
 """
 
 from __future__ import annotations
@@ -165,13 +183,28 @@ def run_one(args) -> dict:
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     base_rss = current_rss_bytes()
     start = time.perf_counter()
+    # This process's CPU seconds (user + sys; one thread) of the forward and of capture, next to
+    # their wall seconds: the ratio that other load on the machine does not move.
+    cpu_seconds: dict[str, float] = {}
     with SavedTensorMeter(model) as meter, LiveBytesMeter("cpu") as live:
         if args.method == "forward":
+            cpu = time.process_time()
             with torch.no_grad():
                 model(group.prompt_ids[None], None, None)
+            cpu_seconds["forward"] = time.process_time() - cpu
             out = {"logps": [], "phase_seconds": {"forward": time.perf_counter() - start},
                    "loss": 0.0, "page_bytes": 0}
         elif args.method.startswith("longstraw"):
+            from megatron_longstraw import schedule
+
+            def timed_capture(*a, _capture=schedule.capture_prompt, **k):
+                cpu = time.process_time()
+                try:
+                    return _capture(*a, **k)
+                finally:
+                    cpu_seconds["capture"] = time.process_time() - cpu
+
+            schedule.capture_prompt = timed_capture
             result = forward_backward_longstraw(model, group, ls)
             out = {"logps": result.logps, "phase_seconds": result.phase_seconds,
                    "loss": result.loss, "page_bytes": result.page_bytes}
@@ -187,6 +220,7 @@ def run_one(args) -> dict:
         "saved_peak_bytes": meter.peak_bytes, "page_bytes": out["page_bytes"],
         "live_peak_bytes": live.peak_bytes, "live_phase_bytes": live.phase_peaks,
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
+        "cpu_seconds": cpu_seconds,
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
         "capture_blocks": {"token_block": ls.token_block, "query_block": ls.query_block,
                            "key_block": ls.key_block, "capture": ls.capture},
@@ -205,23 +239,64 @@ def child_env() -> dict:
     return env
 
 
-def run_point(args, method: str, prompt_len: int, group_size: int) -> dict:
+def _rss_of(pid: int) -> int | None:
+    """Current resident set size of process `pid` (bytes), from /proc/<pid>/status; None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_point(args, method: str, prompt_len: int, group_size: int,
+              kill_above: int | None = None, poll_s: float = 0.05) -> dict:
+    """One point in a fresh child. With `kill_above` (bytes) a watchdog here reads the child's RSS
+    every `poll_s` and kills it the first time it is above: the point is then recorded as
+    `exceeded_cap` (with the RSS seen), not run to the end. Either way the result carries the
+    largest RSS the watchdog saw (`watchdog_peak_rss_bytes`; sampled, so at most the child's own
+    ru_maxrss)."""
+    import tempfile
+
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--method", method,
            "--prompt-len", str(prompt_len), "--group-size", str(group_size),
            "--response-len", str(args.response_len), "--seed", str(args.seed),
            "--family", args.family, "--config", args.config]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=child_env(), cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"method": method, "prompt_len": prompt_len, "group_size": group_size,
-                "error": f"timed out after {args.timeout} s"}
-    for line in proc.stdout.splitlines():
+    point = {"method": method, "prompt_len": prompt_len, "group_size": group_size}
+    start, seen, killed = time.perf_counter(), 0, None
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=child_env(), cwd=ROOT)
+        while proc.poll() is None:
+            rss = _rss_of(proc.pid)
+            seen = max(seen, rss or 0)
+            if kill_above is not None and rss is not None and rss > kill_above:
+                proc.kill()
+                proc.wait()
+                killed = rss
+                break
+            if time.perf_counter() - start > args.timeout:
+                proc.kill()
+                proc.wait()
+                return {**point, "error": f"timed out after {args.timeout} s",
+                        "watchdog_peak_rss_bytes": seen}
+            time.sleep(poll_s)
+        seconds = time.perf_counter() - start
+        if killed is not None:
+            return {**point, "exceeded_cap": True, "killed_at_rss_bytes": killed,
+                    "cap_bytes": kill_above, "seconds_to_kill": seconds,
+                    "watchdog_peak_rss_bytes": seen,
+                    "error": f"exceeded the cap: killed at RSS {killed / MiB:.0f} MiB "
+                             f"> {kill_above / MiB:.0f} MiB after {seconds:.0f} s"}
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    for line in stdout.splitlines():
         if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"method": method, "prompt_len": prompt_len, "group_size": group_size,
-            "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+            return {**json.loads(line[len("BENCH_JSON "):]), "watchdog_peak_rss_bytes": seen}
+    tail = (stderr or stdout).strip().splitlines()[-3:]
+    return {**point, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
 
 
 def _fit_line(xs, ys):
@@ -332,7 +407,7 @@ def markdown(results: list[dict], summary: dict) -> str:
                         if "recompute" in r and not r["method"].startswith("longstraw")})
     lines += ["", f"Conventional recompute: {'; '.join(recompute) or 'n/a'}.",
               f"Memory cap {summary['cap_bytes'] / MiB:.0f} MiB per process; largest prompt under it "
-              "predicted from measured growth (peak RSS at the largest measured P plus a "
+              "PREDICTED, not measured (the measured table is --sweep / make bench), from measured growth (peak RSS at the largest measured P plus a "
               "least-squares slope of peak RSS against P, never below the captured page bytes "
               "per token):", ""]
     for key, v in summary["largest_prompt_under_cap"].items():
@@ -369,6 +444,255 @@ def markdown(results: list[dict], summary: dict) -> str:
                   f"{v['forward_seconds']:.2f} s = x{v['ratio']:.2f}"
                   for k, v in summary["capture_vs_forward"].items()]
     return "\n".join(lines)
+
+
+# ---- the measured largest-P sweep (--sweep, `make bench`) ---------------------------------------
+
+
+def exceeds_cap(r: dict, cap_bytes: int) -> bool:
+    """A point is over the cap if the watchdog killed it above the cap or its measured peak RSS is
+    above. (Killed under a smaller cap, below this one: neither fits nor exceeds.)"""
+    if r.get("exceeded_cap"):
+        return r["killed_at_rss_bytes"] > cap_bytes
+    return "error" not in r and r["peak_rss_bytes"] > cap_bytes
+
+
+def fits_cap(r: dict, cap_bytes: int) -> bool:
+    """A point fits if it ran to the end and its measured peak RSS (ru_maxrss) is <= the cap."""
+    return "error" not in r and r["peak_rss_bytes"] <= cap_bytes
+
+
+def sweep_until_over(points, run, cap_bytes: int) -> list[dict]:
+    """`run(P)` at growing P, stopping after the first point over the cap (or failing)."""
+    results = []
+    for p in sorted(points):
+        r = run(p)
+        results.append(r)
+        if exceeds_cap(r, cap_bytes) or "error" in r:
+            break
+    return results
+
+
+def summarise_sweep(results: list[dict], cap_bytes: int, points, forward_points,
+                    limit: float = 1.05) -> dict:
+    """The measured largest-P table: per P, LongStraw's and conventional's runs side by side; per
+    method the largest measured P that fits the cap and the first P over it; capture over a no-grad
+    forward at `forward_points`. Every figure is from a run (no extrapolation)."""
+    # Rows: each point's first run; timing repeats (`repeat` >= 1) only enter capture / forward.
+    by = {(r["method"], r["prompt_len"]): r for r in results if not r.get("repeat")}
+    summary: dict = {"cap_bytes": cap_bytes, "points": sorted(points), "rows": [],
+                     "largest_measured_under_cap": {}, "first_over_cap": {},
+                     "capture_vs_forward": {}, "capture_vs_forward_limit": limit}
+    for p in sorted(points):
+        row = {"prompt_len": p}
+        for method in ("longstraw", "conventional"):
+            r = by.get((method, p))
+            if r is None:
+                row[method] = {"status": "not run"}
+            elif exceeds_cap(r, cap_bytes):
+                row[method] = {"status": "exceeds cap",
+                               "rss_bytes": r.get("killed_at_rss_bytes", r.get("peak_rss_bytes"))}
+            elif "error" in r:
+                row[method] = {"status": "error", "error": r["error"]}
+            else:
+                row[method] = {"status": "fits", "peak_rss_bytes": r["peak_rss_bytes"],
+                               "live_peak_bytes": r["live_peak_bytes"],
+                               "page_bytes": r["page_bytes"], "step_seconds": r["step_seconds"],
+                               "capture_seconds": r["phase_seconds"].get("capture")}
+        summary["rows"].append(row)
+    for method in ("longstraw", "conventional"):
+        runs = [r for (m, _), r in by.items() if m == method]
+        summary["largest_measured_under_cap"][method] = max(
+            (r["prompt_len"] for r in runs if fits_cap(r, cap_bytes)), default=None)
+        summary["first_over_cap"][method] = min(
+            (r["prompt_len"] for r in runs if exceeds_cap(r, cap_bytes)), default=None)
+    ls, conv = (summary["largest_measured_under_cap"][m] for m in ("longstraw", "conventional"))
+    summary["largest_measured_ratio"] = ls / conv if ls and conv else None
+    for p in sorted(forward_points):
+        # Pairs of runs at P: the forward and LongStraw of the same repeat (0: the table's runs).
+        runs = {(r["method"], r.get("repeat", 0)): r for r in results if r["prompt_len"] == p
+                and r["method"] in ("longstraw", "forward") and "error" not in r}
+        pairs = [(runs[("longstraw", k)], runs[("forward", k)]) for m, k in sorted(runs)
+                 if m == "forward" and ("longstraw", k) in runs]
+        if not pairs:
+            summary["capture_vs_forward"][f"P={p}"] = {"error": "longstraw or forward missing"}
+            continue
+        wall = [r["phase_seconds"]["capture"] / fw["phase_seconds"]["forward"] for r, fw in pairs]
+        cpu = [r["cpu_seconds"]["capture"] / fw["cpu_seconds"]["forward"] for r, fw in pairs
+               if r.get("cpu_seconds", {}).get("capture") and fw.get("cpu_seconds", {}).get("forward")]
+        median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if len(xs) % 2 else (
+            sorted(xs)[len(xs) // 2 - 1] + sorted(xs)[len(xs) // 2]) / 2
+        r, fw = pairs[0]
+        entry = summary["capture_vs_forward"][f"P={p}"] = {
+            "capture_seconds": r["phase_seconds"]["capture"],
+            "forward_seconds": fw["phase_seconds"]["forward"],
+            "pairs": len(pairs), "ratios": wall, "ratio": median(wall),
+            "within_limit": median(wall) <= limit}
+        if len(cpu) == len(pairs):
+            entry.update({"capture_cpu_seconds": r["cpu_seconds"]["capture"],
+                          "forward_cpu_seconds": fw["cpu_seconds"]["forward"],
+                          "cpu_ratios": cpu, "cpu_ratio": median(cpu),
+                          "cpu_within_limit": median(cpu) <= limit})
+    return summary
+
+
+def _mib(b) -> str:
+    return f"{b / MiB:,.0f}"
+
+
+def markdown_sweep(summary: dict, settings: dict) -> str:
+    cap = summary["cap_bytes"]
+    lines = [f"Measured (every cell is a run; no extrapolation). Model {settings['config']}, "
+             f"G = {settings['group_size']}, responses {settings['response_len']} tokens, one process, "
+             f"one thread. Cap: peak RSS <= {cap / 2 ** 30:g} GiB ({_mib(cap)} MiB) per process, "
+             "enforced by a watchdog that kills a child above it.", "",
+             "| P | LongStraw peak RSS (MiB) | LongStraw live tensors (MiB) | pages (MiB) "
+             "| LongStraw step (s) | capture (s) | conventional peak RSS (MiB) "
+             "| conventional live tensors (MiB) | conventional step (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in summary["rows"]:
+        cells = [f"{row['prompt_len']:,}"]
+        ls, conv = row["longstraw"], row["conventional"]
+        if ls["status"] == "fits":
+            cells += [_mib(ls["peak_rss_bytes"]), _mib(ls["live_peak_bytes"]),
+                      f"{ls['page_bytes'] / MiB:,.1f}", f"{ls['step_seconds']:.1f}",
+                      f"{ls['capture_seconds']:.1f}"]
+        elif ls["status"] == "exceeds cap":
+            cells += [f"exceeds cap ({_mib(ls['rss_bytes'])})", "", "", "", ""]
+        else:
+            cells += [ls.get("error", ls["status"]), "", "", "", ""]
+        if conv["status"] == "fits":
+            cells += [_mib(conv["peak_rss_bytes"]), _mib(conv["live_peak_bytes"]),
+                      f"{conv['step_seconds']:.1f}"]
+        elif conv["status"] == "exceeds cap":
+            cells += [f"**exceeds cap** (killed at {_mib(conv['rss_bytes'])})", "", ""]
+        elif conv["status"] == "not run":
+            first = summary["first_over_cap"]["conventional"]
+            cells += [f"not run (over the cap at P = {first:,})" if first else "not run", "", ""]
+        else:
+            cells += [conv.get("error", conv["status"]), "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lim = summary["largest_measured_under_cap"]
+    fmt = lambda v: f"{v:,}" if v else "none"
+    lines += ["", f"Largest measured P under the cap: LongStraw {fmt(lim['longstraw'])}, "
+              f"conventional GRPO {fmt(lim['conventional'])}"
+              + (f" (x{summary['largest_measured_ratio']:g})" if summary["largest_measured_ratio"]
+                 else "") + "; conventional first over the cap at P = "
+              + fmt(summary["first_over_cap"]["conventional"]) + ".", "",
+              f"Capture (streamed) against one no-grad forward of the prompt (limit "
+              f"x{summary['capture_vs_forward_limit']}):"]
+    for key, v in summary["capture_vs_forward"].items():
+        if "error" in v:
+            lines.append(f"- {key}: {v['error']}")
+        else:
+            several = v["pairs"] > 1
+            line = (f"- {key}: wall: capture {v['capture_seconds']:.2f} s / forward "
+                    f"{v['forward_seconds']:.2f} s = x{v['ratios'][0]:.3f}"
+                    + (f"; median of {v['pairs']} pairs x{v['ratio']:.3f} (pairs: "
+                       + ", ".join(f"{x:.3f}" for x in v["ratios"]) + ")" if several else "")
+                    + f" ({'within' if v['within_limit'] else 'NOT within'} "
+                    f"x{summary['capture_vs_forward_limit']})")
+            if "cpu_ratio" in v:
+                line += (f"; CPU time: {v['capture_cpu_seconds']:.2f} s / "
+                         f"{v['forward_cpu_seconds']:.2f} s = x{v['cpu_ratios'][0]:.3f}"
+                         + (f", median x{v['cpu_ratio']:.3f} (pairs: "
+                            + ", ".join(f"{x:.3f}" for x in v["cpu_ratios"]) + ")" if several else "")
+                         + f" ({'within' if v['cpu_within_limit'] else 'NOT within'})")
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def run_sweep(args) -> dict:
+    """LongStraw at every P; conventional at growing P until the first point over the cap; the
+    no-grad forward at `--forward-points`. Points run one at a time (undisturbed timings); the JSON
+    is rewritten after each point, so an interrupted sweep keeps what it measured."""
+    points = [int(p) for p in args.sweep_points.split(",")]
+    forward_points = [int(p) for p in args.forward_points.split(",") if p]
+    group = int(args.groups.split(",")[0])
+    cap = int(args.cap_gib * 2 ** 30)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else out_dir / "bench-sweep.json"
+    settings = {"points": points, "forward_points": forward_points, "group_size": group,
+                "timing_repeats": args.timing_repeats, "sweep_methods": args.sweep_methods,
+                "response_len": args.response_len, "family": args.family,
+                "config": os.path.relpath(args.config, ROOT), "cap_bytes": cap,
+                "cap_method": "watchdog: child killed when its RSS (read every 0.05 s) is above the "
+                              "cap; a finished point fits if its ru_maxrss <= cap",
+                "child_env": {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}}
+    results: list[dict] = []
+    start = time.perf_counter()
+
+    def one(method, p, repeat=0):
+        # The forward is the timing reference for capture, not a row of the capacity table: no cap.
+        r = run_point(args, method, p, group, kill_above=None if method == "forward" else cap)
+        if repeat:
+            r["repeat"] = repeat
+        status = r.get("error") or (f"peak RSS {r['peak_rss_bytes'] / MiB:.0f} MiB, "
+                                    f"{r['step_seconds']:.1f} s")
+        print(f"  {method:>13} P={p:>7} G={group}{f' (repeat {repeat})' if repeat else ''}: "
+              f"{status}", flush=True)
+        results.append(r)
+        json_path.write_text(json.dumps({"results": results, "settings": settings,
+                                         "partial": True}, indent=2) + "\n")
+        return r
+
+    methods = args.sweep_methods.split(",")
+    conventional_stopped = "conventional" not in methods
+    for p in sorted(set(points) | set(forward_points)):
+        if p in forward_points:
+            one("forward", p)
+        if "longstraw" in methods and (p in points or p in forward_points):
+            one("longstraw", p)
+        if p in points and not conventional_stopped:
+            r = one("conventional", p)
+            conventional_stopped = exceeds_cap(r, cap) or "error" in r
+    for repeat in range(1, args.timing_repeats):      # more capture / forward pairs, at the end
+        for p in sorted(forward_points):
+            one("forward", p, repeat)
+            one("longstraw", p, repeat)
+    summary = summarise_sweep(results, cap, points, forward_points)
+    summary["wall_seconds"] = time.perf_counter() - start
+    table = markdown_sweep(summary, settings) + f"\n\nWall time {summary['wall_seconds'] / 60:.1f} min.\n"
+    (out_dir / "bench-sweep.md").write_text(table)
+    payload = {"results": results, "summary": summary, "settings": settings}
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(table)
+    return payload
+
+
+def render_sweep(args) -> dict:
+    """The sweep's summary and table from saved JSONs (`--from-json`), no runs."""
+    by, settings, walls = {}, None, []
+    for path in args.from_json.split(","):
+        data = json.loads(Path(path).read_text())
+        if settings is None:
+            settings = dict(data["settings"])
+        else:   # the last file's cap; the union of the points
+            settings["cap_bytes"] = data["settings"]["cap_bytes"]
+            settings["points"] = sorted(set(settings["points"]) | set(data["settings"]["points"]))
+        walls.append(data.get("summary", {}).get("wall_seconds"))
+        for r in data["results"]:   # a later file's point replaces an earlier one's
+            by[(r["method"], r["prompt_len"], r.get("repeat", 0))] = {**r, "source": path}
+    results = list(by.values())
+    for path in (args.timing_json or "").split(","):
+        if not path:
+            continue
+        for r in json.loads(Path(path).read_text())["results"]:
+            if r["method"] in ("forward", "longstraw") and r["prompt_len"] in settings["forward_points"]:
+                # Another run's capture / forward pairs: further timing repeats, in their order.
+                taken = [x.get("repeat", 0) for x in results
+                         if (x["method"], x["prompt_len"]) == (r["method"], r["prompt_len"])]
+                results.append({**r, "repeat": max(taken, default=-1) + 1, "source": path})
+    summary = summarise_sweep(results, settings["cap_bytes"], settings["points"],
+                              settings["forward_points"])
+    table = markdown_sweep(summary, settings) + "\n\nFrom " + args.from_json + (
+        f" (capture / forward pairs also from {args.timing_json})" if args.timing_json else "") + (
+        "; wall time " + ", ".join(f"{w / 60:.1f} min" for w in walls if w) if any(walls) else "")
+    out = Path(args.out_dir) / "bench-sweep-merged.md"
+    out.write_text(table + "\n")
+    print(table)
+    return {"results": results, "summary": summary, "settings": settings}
 
 
 # ---- PNG (matplotlib, the bench extra) -----------------------------------------------------------
@@ -424,6 +748,25 @@ def parse_args(argv=None):
                    help="model YAML (default: the family's tiny example, examples/<family>/tiny.yaml)")
     p.add_argument("--quick", action="store_true",
                    help="P in {4K, 5K} at G=2, P=4K at G=8, LongStraw also at 12K: under 5 minutes")
+    p.add_argument("--sweep", action="store_true",
+                   help="the measured largest-P table (`make bench`): LongStraw at every "
+                        "--sweep-points, conventional until the first point over --cap-gib, the "
+                        "no-grad forward at --forward-points; model examples/glm52/bench.yaml")
+    p.add_argument("--sweep-points", default="4096,8192,16384,32768,65536,131072")
+    p.add_argument("--forward-points", default="4096,32768",
+                   help="sweep: P at which capture is timed against a no-grad forward")
+    p.add_argument("--timing-repeats", type=int, default=1,
+                   help="sweep: pairs (forward, LongStraw) per --forward-points P; the ratio "
+                        "reported is their median (the extra pairs run after the table's points)")
+    p.add_argument("--sweep-methods", default="longstraw,conventional",
+                   help="sweep: longstraw alone skips conventional (e.g. a timing-only run)")
+    p.add_argument("--from-json", default=None,
+                   help="sweep: no runs; the table again from saved sweep JSONs (comma-separated; a "
+                        "later file's point replaces an earlier one's at the same method and P; the "
+                        "last file's cap)")
+    p.add_argument("--timing-json", default=None,
+                   help="with --from-json: sweep JSONs whose capture / forward pairs are added as "
+                        "further repeats (their other points are not used)")
     p.add_argument("--points", default=None, help="comma-separated prompt lengths (default 4K..16K)")
     p.add_argument("--longstraw-points", default=None,
                    help="extra prompt lengths for LongStraw alone, at the smallest G (default: "
@@ -449,6 +792,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.sweep and args.config is None:
+        args.config = str(ROOT / "examples" / "glm52" / "bench.yaml")
     args.config = args.config or str(ROOT / FAMILIES[args.family].tiny_config)
     return args
 
@@ -461,6 +806,10 @@ def main(argv=None) -> dict:
         warnings.filterwarnings("ignore")
         print("BENCH_JSON " + json.dumps(run_one(args)), flush=True)
         return {}
+    if args.from_json:
+        return render_sweep(args)
+    if args.sweep:
+        return run_sweep(args)
     default_points = "4096,5120" if args.quick else "4096,8192,16384"
     points = [int(p) for p in (args.points or default_points).split(",")]
     extra = args.longstraw_points if args.longstraw_points is not None else (
