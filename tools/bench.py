@@ -518,8 +518,10 @@ def summarise_sweep(results: list[dict], cap_bytes: int, points, forward_points,
             summary["capture_vs_forward"][f"P={p}"] = {"error": "longstraw or forward missing"}
             continue
         wall = [r["phase_seconds"]["capture"] / fw["phase_seconds"]["forward"] for r, fw in pairs]
-        cpu = [r["cpu_seconds"]["capture"] / fw["cpu_seconds"]["forward"] for r, fw in pairs
-               if r.get("cpu_seconds", {}).get("capture") and fw.get("cpu_seconds", {}).get("forward")]
+        cpu_pairs = [(r["cpu_seconds"]["capture"], fw["cpu_seconds"]["forward"]) for r, fw in pairs
+                     if r.get("cpu_seconds", {}).get("capture")
+                     and fw.get("cpu_seconds", {}).get("forward")]
+        cpu = [c / f for c, f in cpu_pairs]
         median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if len(xs) % 2 else (
             sorted(xs)[len(xs) // 2 - 1] + sorted(xs)[len(xs) // 2]) / 2
         r, fw = pairs[0]
@@ -528,9 +530,9 @@ def summarise_sweep(results: list[dict], cap_bytes: int, points, forward_points,
             "forward_seconds": fw["phase_seconds"]["forward"],
             "pairs": len(pairs), "ratios": wall, "ratio": median(wall),
             "within_limit": median(wall) <= limit}
-        if len(cpu) == len(pairs):
-            entry.update({"capture_cpu_seconds": r["cpu_seconds"]["capture"],
-                          "forward_cpu_seconds": fw["cpu_seconds"]["forward"],
+        if cpu:   # the pairs whose children reported CPU seconds
+            entry.update({"capture_cpu_seconds": cpu_pairs[0][0],
+                          "forward_cpu_seconds": cpu_pairs[0][1], "cpu_pairs": len(cpu),
                           "cpu_ratios": cpu, "cpu_ratio": median(cpu),
                           "cpu_within_limit": median(cpu) <= limit})
     return summary
@@ -560,7 +562,7 @@ def markdown_sweep(summary: dict, settings: dict) -> str:
         elif ls["status"] == "exceeds cap":
             cells += [f"exceeds cap ({_mib(ls['rss_bytes'])})", "", "", "", ""]
         else:
-            cells += [ls.get("error", ls["status"]), "", "", "", ""]
+            cells += [f"error ({ls.get('error', ls['status']).split(':')[0]})", "", "", "", ""]
         if conv["status"] == "fits":
             cells += [_mib(conv["peak_rss_bytes"]), _mib(conv["live_peak_bytes"]),
                       f"{conv['step_seconds']:.1f}"]
@@ -570,7 +572,7 @@ def markdown_sweep(summary: dict, settings: dict) -> str:
             first = summary["first_over_cap"]["conventional"]
             cells += [f"not run (over the cap at P = {first:,})" if first else "not run", "", ""]
         else:
-            cells += [conv.get("error", conv["status"]), "", ""]
+            cells += [f"error ({conv.get('error', conv['status']).split(':')[0]})", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
     lim = summary["largest_measured_under_cap"]
     fmt = lambda v: f"{v:,}" if v else "none"
@@ -595,8 +597,9 @@ def markdown_sweep(summary: dict, settings: dict) -> str:
             if "cpu_ratio" in v:
                 line += (f"; CPU time: {v['capture_cpu_seconds']:.2f} s / "
                          f"{v['forward_cpu_seconds']:.2f} s = x{v['cpu_ratios'][0]:.3f}"
-                         + (f", median x{v['cpu_ratio']:.3f} (pairs: "
-                            + ", ".join(f"{x:.3f}" for x in v["cpu_ratios"]) + ")" if several else "")
+                         + (f", median of {v['cpu_pairs']} x{v['cpu_ratio']:.3f} (pairs: "
+                            + ", ".join(f"{x:.3f}" for x in v["cpu_ratios"]) + ")"
+                            if v["cpu_pairs"] > 1 else "")
                          + f" ({'within' if v['cpu_within_limit'] else 'NOT within'})")
             lines.append(line)
     return "\n".join(lines)
