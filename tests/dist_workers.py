@@ -74,6 +74,13 @@ def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
             "cp_rank": ps.get_context_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank()}
 
 
+def layouts_worker(rank, layouts, state_path, num_groups_total):
+    """`layout_worker` for several (cp, ep, repeat) layouts of the same world, one after the
+    other in the same processes (one spawn)."""
+    return [layout_worker(rank, cp, ep, state_path, num_groups_total, repeat)
+            for cp, ep, repeat in layouts]
+
+
 def failing_capture_worker(rank, cp, failing_rank):
     """Rank `failing_rank` raises in the middle of capture; the others must not hang."""
     from megatron_longstraw import parallel
@@ -267,8 +274,9 @@ def decode_worker(rank, cases):
 def streamed_capture_worker(rank, cases, blocks):
     """Capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path, prompt lengths)), per
     case: at the first length, the whole-shard and the streamed capture with the exact gradient's
-    inputs (every page, layer input and selection); at every length, the streamed capture's
-    device and host peaks (live-bytes meter, host storage left out) and its page bytes."""
+    inputs (every page, layer input and selection); at every later length, the streamed and the
+    whole capture's device and host peaks (live-bytes meter, host storage left out) and page
+    bytes."""
     from megatron_longstraw.capture import capture_prompt
     from megatron_longstraw.config import LongStrawConfig
     from megatron_longstraw.memory import LiveBytesMeter
@@ -292,10 +300,10 @@ def streamed_capture_worker(rank, cases, blocks):
                    for n in lengths]
         out = {mode: contents(capture(model, prompts[0], mode, exact=True))
                for mode in ("whole", "streamed")}
-        capture(model, prompts[0], "streamed", exact=False)        # warm-up
+        capture(model, prompts[1], "streamed", exact=False)        # warm-up
         out["peaks"] = {"whole": [], "streamed": []}
         for mode, peaks in out["peaks"].items():
-            for ids in prompts:
+            for ids in prompts[1:]:
                 runs = []
                 # The lowest of two: a gloo worker thread may free a tensor unseen by the CPU
                 # meter, which then counts it until its address is reused (memory.py).

@@ -30,8 +30,41 @@ def _weights(tmp_path, family):
     return str(path)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("length", [9, 17, 100, 577])
+def test_shard_rows_and_capture_blocks(cp, length):
+    """A rank's rows within a global range and capture's token blocks against its positions
+    (`CPLayout.prompt_positions`): the local rows of [start, end) are exactly those whose position
+    lies there; every rank runs as many token blocks (MoE is a collective), contiguous, covering
+    its rows, none larger than the token block; one process: blocks of token_block rows."""
+    from megatron_longstraw.models.context_parallel import capture_blocks
+    from megatron_longstraw.parallel import CPLayout
+
+    token_block = 12
+    counts = set()
+    for rank in range(cp):
+        layout = CPLayout(None, cp, rank)
+        positions = layout.prompt_positions(length)
+        assert layout.shard_len(length) == positions.numel()
+        for start in range(0, length, 5):
+            lo, hi = layout.shard_rows_within(length, start, start + 7)
+            inside = ((positions >= start) & (positions < start + 7)).nonzero()[:, 0]
+            assert torch.equal(inside, torch.arange(lo, hi))
+        blocks = capture_blocks(layout, length, token_block)
+        assert blocks[0][0] == 0 and blocks[-1][1] == positions.numel()
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(0 < end - start <= token_block for start, end in blocks)
+        counts.add(len(blocks))
+        if cp == 1:
+            assert blocks == [(s, min(s + token_block, length))
+                              for s in range(0, length, token_block)]
+    assert len(counts) == 1
+
+
 FAMILIES = ["glm52", "qwen36", "deepseekv3"]
-LENGTHS = (193, 769)            # P and 4P: 96 and 384 captured rows per rank
+EQUAL_LEN = 145                 # 72 rows per rank: 2 blocks of 36; GDN's first global block of
+                                # 48 tokens held by both ranks
+LENGTHS = (193, 769)            # P and 4P: 96 and 384 rows per rank, all in blocks of 48
 POSITIONS_BYTES = 8             # per captured row: the positions table (int64)
 
 
@@ -44,13 +77,13 @@ def cp2(tmp_path_factory):
     from megatron_longstraw.config import LongStrawConfig
 
     tmp = tmp_path_factory.mktemp("weights")
-    cases = [(family, 2, 1, _weights(tmp, family), LENGTHS) for family in FAMILIES]
+    cases = [(family, 2, 1, _weights(tmp, family), (EQUAL_LEN,) + LENGTHS) for family in FAMILIES]
     ranks = run_ranks(dist_workers.streamed_capture_worker, 2, cases=cases, blocks=BLOCKS)
     one_process = {}
     for family in FAMILIES:
         cfg, model = _build(family, torch.float64)
-        ids = torch.randint(0, cfg.vocab_size, (LENGTHS[0],),
-                            generator=torch.Generator().manual_seed(LENGTHS[0]))
+        ids = torch.randint(0, cfg.vocab_size, (EQUAL_LEN,),
+                            generator=torch.Generator().manual_seed(EQUAL_LEN))
         ls = LongStrawConfig(group_size=2, page_tokens=64, **BLOCKS)
         one_process[family] = cfg, capture_prompt(model, ids, ls).pages
     return {family: ([out[i] for out in ranks], *one_process[family])
@@ -59,12 +92,14 @@ def cp2(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp2_streamed_capture_equals_whole_shard_capture(cp2, family):
-    """fp64, CP 2, P = 193 (2 token blocks per rank): every page, layer input and top-k selection
+    """fp64, CP 2, P = 145 (2 token blocks of 36 per rank; GDN's first global block of 48 held
+    by both ranks): every page, layer input and top-k selection
     of the streamed capture against the whole-shard capture. GLM-5.2 bitwise (both gather every
     key and score it in the same key blocks); Qwen3.6 and DeepSeek-V3 within 1e-13: the whole
     shard's ring merges each rank's keys by log-sum-exp in rank order, streamed capture reads them
     in position order (different summation order, nothing else). Each rank's key rows also equal
-    one process's streamed capture at that rank's positions, bitwise: the same windows."""
+    one process's streamed capture at that rank's positions within 1e-13 (the same windows; the
+    token blocks, so the GEMMs' batches, differ: bitwise where they align, e.g. P = 193)."""
     ranks, _, one_process = cp2[family]
     for out in ranks:
         whole, streamed = out["whole"], out["streamed"]
@@ -85,13 +120,14 @@ def test_cp2_streamed_capture_equals_whole_shard_capture(cp2, family):
         positions = streamed["positions"]
         for (layer, kind), page in streamed["pages"].items():
             if kind in one_process.kinds(layer) and page.shape[0] == positions.numel():
-                assert torch.equal(page, one_process.fetch(layer, kind)[positions]), (layer, kind)
+                torch.testing.assert_close(page, one_process.fetch(layer, kind)[positions],
+                                           rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp2_streamed_capture_device_bytes_flat(cp2, family):
-    """fp64, CP 2, P = 193 and 769 (96 and 384 captured rows per rank, token blocks of
-    48): on every rank the streamed capture's device peak (live-bytes meter, host storage left
+    """fp64, CP 2, P = 193 and 769 (96 and 384 captured rows per rank, token blocks of 48: the
+    same per-block work at both): on every rank the streamed capture's device peak (live-bytes meter, host storage left
     out) grows by the positions table (8 B per added row) within the stated per-block bytes: one
     token block of the residual stream (which block's transients make the peak may differ), one
     gathered window of the widest key row (48 rows) and, DSA, the selected latent rows of one

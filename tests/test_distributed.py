@@ -65,17 +65,22 @@ def _check_layout(reference, outs, num_groups, world):
     assert worst["logp"] <= 1e-9 and worst["grad"] <= 1e-9 and worst["param"] <= 1e-9
 
 
-@pytest.mark.parametrize("cp,ep", [(2, 2), (4, 4), (4, 2)])
-def test_cp_ep_layout_equals_single_process(reference, cp, ep):
-    outs = run_ranks(dist_workers.layout_worker, cp, cp=cp, ep=ep, state_path=reference["path"],
-                     num_groups_total=1, repeat=2)
-    _check_layout(reference, outs, 1, cp)
-    # Two runs from the same weights give bitwise identical results.
-    for out in outs:
-        first, second = out["runs"]
-        for name in first["grads"]:
-            assert torch.equal(first["grads"][name], second["grads"][name]), name
-        assert all(torch.equal(a, b) for a, b in zip(first["logps"][0], second["logps"][0]))
+@pytest.mark.parametrize("world,layouts", [(2, [(2, 2, 2)]), (4, [(4, 4, 2), (4, 2, 1)])])
+def test_cp_ep_layout_equals_single_process(reference, world, layouts):
+    """CP x EP (cp, ep, runs) on `world` processes, the layouts of one world in one spawn."""
+    outs = run_ranks(dist_workers.layouts_worker, world, layouts=layouts,
+                     state_path=reference["path"], num_groups_total=1)
+    for i, (cp, _, repeat) in enumerate(layouts):
+        case = [out[i] for out in outs]
+        _check_layout(reference, case, 1, cp)
+        if repeat < 2:
+            continue
+        # Two runs from the same weights give bitwise identical results.
+        for out in case:
+            first, second = out["runs"]
+            for name in first["grads"]:
+                assert torch.equal(first["grads"][name], second["grads"][name]), name
+            assert all(torch.equal(a, b) for a, b in zip(first["logps"][0], second["logps"][0]))
 
 
 def test_dp_by_cp_layout_equals_single_process(reference):

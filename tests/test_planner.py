@@ -425,3 +425,24 @@ def test_prompt_backward_inputs_equal_what_capture_keeps(family, prompt_len):
     assert sum(i.bytes for i in exact.host_items) - sum(i.bytes for i in detached.host_items) \
         == measured
     assert "prompt backward" in exact.phase_totals
+
+
+def test_scored_selections_host_line_equals_what_scoring_keeps():
+    """GLM-5.2's host line for the DSA selections every member's scoring keeps for replay (G x
+    full indexer layers x [R, k] int32) against `replay.score_member`'s, exactly (fp32, CP 1;
+    top-k 16 > nothing: k = min(top-k, P - 1 + R) keys)."""
+    from megatron_longstraw.replay import score_member
+
+    cfg, model = build_tiny_glm(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=gen)
+    ls = LongStrawConfig(group_size=2)
+    captured = capture_prompt(model, prompt, ls)
+    kept = 0
+    for _ in range(ls.group_size):          # every member R tokens long (the planner's R)
+        response = torch.randint(0, cfg.vocab_size, (9,), generator=gen)
+        _, selections = score_member(model, captured, response, ls)
+        kept += sum(sel.numel() * sel.element_size() for sel in selections.values())
+    plan = planner.plan(_tiny_spec(cfg, 40, 9), search_max=False)
+    (line,) = [i for i in plan.host_items if i.name.startswith("scored DSA selections")]
+    assert line.measured and line.bytes == kept

@@ -20,8 +20,8 @@ from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
-P = 384
-P_EXACT = 192   # the exact prompt gradient's runs (the prompt backward recomputes every layer)
+P = 192
+P_EXACT = 128   # the exact prompt gradient's runs (the prompt backward recomputes every layer)
 BLOCKS = dict(key_block=64, query_block=16, token_block=64)
 
 

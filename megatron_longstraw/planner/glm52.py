@@ -153,7 +153,8 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
                    8 * (total + r_pad) if cp > 1 else 0)]
     # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
     host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
-                                spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4)]
+                                spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4,
+                                measured=True)]
     scoring = common + [
         Item("indexer scores [query_block, index_heads, key_block] fp32",
              indexer_block(min(spec.query_block, r_pad)), group="step"),
