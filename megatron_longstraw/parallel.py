@@ -385,11 +385,11 @@ class HeadParallel:
 
     def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         """Without autograd: block i of `send` [size, ...] to rank i -> block i from rank i. The
-        exchange keeps `send` until it is dropped itself: on gloo a worker thread may otherwise
-        drop a tensor's last reference, a free the CPU live-bytes meter cannot see."""
+        exchange keeps both buffers until it is dropped itself: on gloo a worker thread may
+        otherwise drop a tensor's last reference, a free the CPU live-bytes meter cannot see."""
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=self.layout.group)
-        self._sent = send
+        self._held = getattr(self, "_held", []) + [send, received]
         return received
 
 

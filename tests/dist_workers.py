@@ -313,6 +313,12 @@ def streamed_capture_worker(rank, cases, blocks):
                     runs.append({"device": meter.peak_bytes, "host": meter.host_peak_bytes,
                                  "pages": captured.pages.nbytes(allocated=True),
                                  "local_rows": captured.positions.numel()})
+                    if mode == "streamed" and ids is prompts[1] and "aligned" not in out:
+                        pages = captured.pages       # blocks aligned with one process's
+                        out["aligned"] = {
+                            "positions": captured.positions.clone(),
+                            "pages": {(layer, kind): pages.fetch(layer, kind).clone()
+                                      for layer in pages.layers() for kind in pages.kinds(layer)}}
                     del captured
                 peaks.append(min(runs, key=lambda run: run["device"]))
         outs.append(out)

@@ -82,10 +82,13 @@ def cp2(tmp_path_factory):
     one_process = {}
     for family in FAMILIES:
         cfg, model = _build(family, torch.float64)
-        ids = torch.randint(0, cfg.vocab_size, (EQUAL_LEN,),
-                            generator=torch.Generator().manual_seed(EQUAL_LEN))
         ls = LongStrawConfig(group_size=2, page_tokens=64, **BLOCKS)
-        one_process[family] = cfg, capture_prompt(model, ids, ls).pages
+        pages = []
+        for length in (EQUAL_LEN, LENGTHS[0]):
+            ids = torch.randint(0, cfg.vocab_size, (length,),
+                                generator=torch.Generator().manual_seed(length))
+            pages.append(capture_prompt(model, ids, ls).pages)
+        one_process[family] = cfg, pages
     return {family: ([out[i] for out in ranks], *one_process[family])
             for i, family in enumerate(FAMILIES)}
 
@@ -99,8 +102,9 @@ def test_cp2_streamed_capture_equals_whole_shard_capture(cp2, family):
     shard's ring merges each rank's keys by log-sum-exp in rank order, streamed capture reads them
     in position order (different summation order, nothing else). Each rank's key rows also equal
     one process's streamed capture at that rank's positions within 1e-13 (the same windows; the
-    token blocks, so the GEMMs' batches, differ: bitwise where they align, e.g. P = 193)."""
-    ranks, _, one_process = cp2[family]
+    token blocks, so the GEMMs' batches, differ), and bitwise where the blocks align (P = 193:
+    blocks of 48 at one process's boundaries)."""
+    ranks, _, (one_process, aligned) = cp2[family]
     for out in ranks:
         whole, streamed = out["whole"], out["streamed"]
         assert whole["pages"].keys() == streamed["pages"].keys()
@@ -122,6 +126,11 @@ def test_cp2_streamed_capture_equals_whole_shard_capture(cp2, family):
             if kind in one_process.kinds(layer) and page.shape[0] == positions.numel():
                 torch.testing.assert_close(page, one_process.fetch(layer, kind)[positions],
                                            rtol=0, atol=1e-13)
+        # P = 193: a rank's blocks are 48 rows at one process's block boundaries: bitwise.
+        positions = out["aligned"]["positions"]
+        for (layer, kind), page in out["aligned"]["pages"].items():
+            if page.shape[0] == positions.numel():
+                assert torch.equal(page, aligned.fetch(layer, kind)[positions]), (layer, kind)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,8 +139,9 @@ def test_cp2_streamed_capture_device_bytes_flat(cp2, family):
     same per-block work at both): on every rank the streamed capture's device peak (live-bytes meter, host storage left
     out) grows by the positions table (8 B per added row) within the stated per-block bytes: one
     token block of the residual stream (which block's transients make the peak may differ), one
-    gathered window of the widest key row (48 rows) and, DSA, the selected latent rows of one
-    query block (16 queries x top-k). The whole-shard capture grows by far more (the meter tells
+    gathered window of the widest key row (48 rows), DSA: the selected latent rows of one query
+    block (16 queries x top-k), GDN: the buffers of one global block's exchange (the planner's
+    line; on gloo, their frees can fall on its worker thread, which the meter then sees late). The whole-shard capture grows by far more (the meter tells
     them apart: over 100 B per added row). The planner at CP 2: its one prompt-sized device line
     (positions) grows by the same 8 B per row, and the host peak is the pages plus its capture
     host lines (residual stream, selection, every rank's rows of a layer, GDN's exchange buffer),
@@ -150,6 +160,11 @@ def test_cp2_streamed_capture_device_bytes_flat(cp2, family):
         from helpers import tiny_glm_config
 
         slack += BLOCKS["query_block"] * tiny_glm_config().index_topk * row_bytes
+    if family == "qwen36":    # GDN's exchange of one global block (the planner's line)
+        in_proj = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                   + 2 * cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                   + 2 * cfg.linear_num_value_heads)
+        slack += 4 * BLOCKS["token_block"] * in_proj * residual.element_size()
     for rank, out in enumerate(ranks):
         streamed, whole = out["peaks"]["streamed"], out["peaks"]["whole"]
         added = streamed[1]["local_rows"] - streamed[0]["local_rows"]
