@@ -326,7 +326,8 @@ def format_plan(p: Plan) -> str:
         f" -> {'fits' if p.device_fits else 'DOES NOT FIT'}",
         f"  host pages per rank: {g(p.host_page_bytes_per_rank).strip()} allocated "
         f"({g(p.host_page_bytes_per_rank_logical).strip()} logical, page_tokens={s.page_tokens})",
-        *[f"  host beside the pages per rank: {g(i.bytes).strip()}  {i.name}" for i in p.host_items],
+        *[f"  host beside the pages per rank: {g(i.bytes).strip()}  {i.name}"
+          f"{'  [checked on CPU]' if i.measured else ''}" for i in p.host_items],
         f"  host per node ({s.ranks_per_node} ranks, + {g(s.host_reserve_per_rank).strip()} each): "
         f"{g(p.host_bytes_per_node).strip()} of {g(s.host_bytes).strip()} -> "
         f"{'fits' if p.host_fits else 'DOES NOT FIT'}",
