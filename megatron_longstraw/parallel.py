@@ -333,9 +333,9 @@ class HeadParallel:
 
     @classmethod
     def for_prompt(cls, layout: CPLayout, length: int, device=None) -> "HeadParallel":
-        """The load-balanced prompt shards of `CPLayout.prompt_positions`."""
-        return cls(layout, [CPLayout(None, layout.size, r).prompt_positions(length, device)
-                            for r in range(layout.size)])
+        """The load-balanced prompt shards of `CPLayout.prompt_positions`: the one global block
+        [0, length) of `for_prompt_block`."""
+        return cls.for_prompt_block(layout, length, 0, length, device)
 
     @classmethod
     def for_prompt_block(cls, layout: CPLayout, length: int, start: int, end: int,
@@ -346,8 +346,8 @@ class HeadParallel:
         for rank in range(layout.size):
             ranges = CPLayout(None, layout.size, rank).shard_ranges(length)
             spans = [(max(a, start), min(b, end)) for a, b in ranges]
-            shards.append(torch.cat([torch.arange(lo, max(lo, hi), device=device)
-                                     for lo, hi in spans]) - start)
+            shards.append(torch.cat([torch.arange(lo - start, max(lo, hi) - start, device=device)
+                                     for lo, hi in spans]))
         return cls(layout, shards)
 
     @classmethod
