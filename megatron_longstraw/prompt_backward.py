@@ -100,7 +100,8 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
             start, end = blocks[index]
             carried = None
             if carried_kinds:
-                carried = {kind: None if t is None else t.to(device).requires_grad_()
+                # A copy (as on a device): the kept boundary itself must not collect a gradient.
+                carried = {kind: None if t is None else t.to(device, copy=True).requires_grad_()
                            for kind, t in boundaries[index].items()}
             state = _block_pass(captured, cfg, "prompt_backward", start, end, device, carried)
             x = inputs[start:end].to(device, copy=True).requires_grad_()
@@ -158,7 +159,8 @@ def _whole_shard(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device)
     kept, pages = captured.backward, captured.pages
     grad = None                         # d loss / d (layer output) over the prompt rows
     for layer_idx in reversed(range(len(groups))):
-        x = kept.layer_inputs[layer_idx].to(device).requires_grad_()
+        # A copy (as on a device): the kept input itself must not collect a gradient.
+        x = kept.layer_inputs[layer_idx].to(device, copy=True).requires_grad_()
         state = AttentionPass(
             mode="prompt_backward", positions=captured.positions.to(device), pages=pages,
             cp=CPPass.for_capture(captured.layout, captured.prefix_len),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_longstraw.patches.layer_state import release_call_state
+
 MIXERS = {"M", "G", "*", "D", "+"}  # symbols that read other tokens (attention / recurrence)
 
 
@@ -40,8 +42,12 @@ def _is_identity(module) -> bool:
 
 
 def run_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
-    """One HybridStack layer on [s, 1, h]."""
-    out = layer(hidden_states=hidden, attention_mask=None)
+    """One HybridStack layer on [s, 1, h]. What the layer keeps of the call is released after it
+    (patches/layer_state.py), also when a checkpoint's recompute stops inside it."""
+    try:
+        out = layer(hidden_states=hidden, attention_mask=None)
+    finally:
+        release_call_state(layer)
     return out[0] if isinstance(out, tuple) else out
 
 

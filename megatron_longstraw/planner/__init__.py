@@ -15,9 +15,14 @@ stands for. Three groups of figures are checked against the built models on CPU
 - parameter and LoRA-adapter counts equal the built model's (and `adapters.apply_lora`'s); the
   full-size Qwen3.6 is built on the meta device and counted.
 
-The rest (capture and scoring scratch, MoE dispatch buffers, page window, backward transients, and
-for Qwen3.6 the GPU kernels' saved sets: FLA's delta rule and l2norm instead of the PyTorch ones
-the CPU runs) is analytic: read off the code, not measured on a GPU; the report labels each item so.
+- GLM-5.2's capture and replay phases (capture's largest, the MoE layer's block and dispatch
+  buffers; replay's backward transient with the lines above), summed as `phase_bytes` sums them without
+  the page window, against the live-bytes meter at P and 4P: an upper bound within 15% / 10%
+  (tests/test_replay_memory.py; DeepSeek-V3: an upper bound).
+
+The rest (scoring scratch, the page window, which on CPU is a view of the pages, and for Qwen3.6
+the GPU kernels' working sets: FLA's delta rule and l2norm instead of the PyTorch ones the CPU
+runs) is analytic: read off the code, not measured on a GPU; the report labels each item so.
 
 A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
 model, `qwen36` against its Qwen3.6 model), named by the family's record (`Family.planner`,

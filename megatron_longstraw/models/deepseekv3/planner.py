@@ -91,9 +91,10 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     capture_moe = capture_moe_items(cfg, spec, n, window_values=d_qk)
     capture_host = streamed_capture_host(cfg, n, b, 0, total if cp > 1 else 0, d_qk)
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
-    # layers' local pages), attention cats [prefix; branch] latents.
-    common = [Item("streamed page window (2 layers' local pages + latent cat copy)",
-                   2 * n * d_qk * spec.latent_bytes + (n + r_pad) * d_qk * b)]
+    # layers' local pages; on CPU a view of the pages); the pages and the branch's rows are
+    # attended as two parts (models/partials.py: no cat).
+    common = [Item("streamed page window (2 layers' local pages)",
+                   2 * n * d_qk * spec.latent_bytes)]
     qs = min(spec.query_block, r_pad)
     scoring = common + [
         Item("dense attention block [query_block, heads, key_block]", scores(qs), group="step"),
@@ -106,8 +107,10 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
              group="graph"),
         Item("replay LM head + loss (before the layers' backward)",
              saved["head"] + saved["loss"], group="graph"),
-        Item("replay backward: key-row gradient [P/CP + R, latent] fp32 + one key block's scores",
-             (n + r_pad) * d_qk * acc + scores(qs)),
+        # The pages are a constant part (models/partials.py): only the branch's own rows get a
+        # key gradient.
+        Item("replay backward: the branch rows' key gradient [R, latent] fp32 + one key block's "
+             "scores", r_pad * d_qk * acc + scores(qs)),
     ]
     notes = ["DeepSeek-V3's replay and capture figures are analytic (no SavedTensorMeter check "
              "yet); its pages are exact."]
