@@ -61,6 +61,30 @@ def test_shard_rows_and_capture_blocks(cp, length):
     assert len(counts) == 1
 
 
+# Worked out by hand from the load-balanced order: chunk c of 2 * CP spans
+# [round(L c / (2 CP)), round(L (c + 1) / (2 CP))), a half rounded to even (13 * 2 / 4 = 6.5 -> 6),
+# and rank r holds chunks r and 2 CP - 1 - r.
+SHARDS_BY_HAND = {
+    (12, 2): [[(0, 3), (9, 12)], [(3, 6), (6, 9)]],                       # Megatron's equal chunks
+    (12, 3): [[(0, 2), (10, 12)], [(2, 4), (8, 10)], [(4, 6), (6, 8)]],
+    (13, 2): [[(0, 3), (10, 13)], [(3, 6), (6, 10)]],                     # bounds 0 3 6 10 13
+    (13, 3): [[(0, 2), (11, 13)], [(2, 4), (9, 11)], [(4, 6), (6, 9)]],   # bounds 0 2 4 6 9 11 13
+}
+
+
+@pytest.mark.parametrize("length,cp", SHARDS_BY_HAND)
+def test_shard_ranges_by_hand(length, cp):
+    """`CPLayout.shard_ranges` equals the hand-worked ranges (the test above checks the other
+    helpers against it), and `prompt_positions` lists their positions."""
+    from megatron_longstraw.parallel import CPLayout
+
+    for rank, expected in enumerate(SHARDS_BY_HAND[length, cp]):
+        layout = CPLayout(None, cp, rank)
+        assert layout.shard_ranges(length) == expected
+        assert layout.prompt_positions(length).tolist() == [p for a, b in expected
+                                                            for p in range(a, b)]
+
+
 FAMILIES = ["glm52", "qwen36", "deepseekv3"]
 EQUAL_LEN = 145                 # 72 rows per rank: 2 blocks of 36; GDN's first global block of
                                 # 48 tokens held by both ranks
