@@ -134,3 +134,50 @@ def test_streamed_capture_device_bytes_flat_and_the_planner_lines(family):
     print(f"{family}: exact {exact[0]} -> {exact[1]} B, whole capture {whole[0]} -> {whole[1]} B")
     assert exact[1] - exact[0] <= INDEX_TABLE_BYTES * added
     assert whole[1] - whole[0] > 10 * INDEX_TABLE_BYTES * added
+
+
+@pytest.mark.parametrize("family", ["glm52", "deepseekv3"])
+def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
+    """fp32, P = 193 and 769: each layer kind's own peak in streamed capture (the meter's phase
+    around each layer call: attention, the MoE or dense MLP) against the planner's capture phase
+    for it, summed as the plan sums it (`phase_bytes`), less what a layer call does not allocate
+    on CPU (the positions table, the block's input): never above the plan and, for GLM-5.2, at
+    least 75% of it (the attention layer's selected rows grow with P up to query_block x topk
+    distinct rows). DeepSeek-V3: an upper bound."""
+    from megatron_longstraw import capture, memory, planner
+    from megatron_longstraw.models import common
+
+    run_layer = common.run_layer
+
+    def metered(layer, hidden):
+        kind = "attention" if common.is_mixer(layer) else (
+            "MoE" if hasattr(getattr(layer, "mlp", None), "router") else "MLP")
+        with memory.phase(kind):
+            return run_layer(layer, hidden)
+
+    monkeypatch.setattr(common, "run_layer", metered)
+    monkeypatch.setattr(capture, "run_layer", metered)
+    cfg, model = _build(family, torch.float32)
+    _capture(model, _prompt(cfg, 64), "streamed")                  # warm-up
+    for prompt_len in (193, 769):
+        ls = LongStrawConfig(group_size=2, page_tokens=128, **BLOCKS)
+        with LiveBytesMeter("cpu", exclude_host=True) as meter:
+            capture_prompt(model, _prompt(cfg, prompt_len), ls)
+        own = {}
+        for phase in meter.phases:
+            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+        spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len, group_size=2,
+                                response_len=16, weight_bytes=4, act_bytes=4, latent_bytes=4,
+                                index_key_bytes=4, page_tokens=128, **BLOCKS)
+        plan = planner.plan(spec, search_max=False)
+        # Outside a layer call's own peak: the positions table (allocated before the layers)
+        # and the block's input (on CPU a view of the host residual stream; a device copy on GPU).
+        outside = 8 * (prompt_len - 1) + BLOCKS["token_block"] * cfg.hidden_size * 4
+        for kind in ("attention", "MoE"):
+            planned = planner.phase_bytes(plan.phases[f"capture ({kind} layer)"]) - outside
+            ratio = own[kind] / planned
+            print(f"{family} P={prompt_len}: capture {kind} layer own peak {own[kind]} B, planned "
+                  f"{planned:.0f} B ({ratio:.3f})")
+            assert ratio <= 1.0, (kind, own[kind], planned)
+            if family == "glm52":
+                assert ratio >= 0.75, (kind, own[kind], planned)

@@ -127,8 +127,12 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     # and MoE layers peak separately ("one of" groups: the largest counts).
     qb = min(spec.query_block, max(n, 1))
     tb = min(spec.token_block, max(n, 1))
-    sparse_block = Item("sparse attention block [query_block, topk, latent] + logits",
-                        qb * topk * d_qk * b + qb * H * topk * (b + 3 * acc), group="block")
+    # The block's selected rows: the distinct ones read from the pages (PageStore.gather, at most
+    # query_block x topk of them), then [query_block, topk, latent] indexed from those.
+    sparse_block = Item("sparse attention block [query_block, topk, latent] + the distinct selected "
+                        "rows + logits",
+                        (qb * topk + min(qb * topk, n)) * d_qk * b + qb * H * topk * (b + 3 * acc),
+                        group="block")
     indexer = Item("indexer scores block [query_block, index_heads, key_block] fp32",
                    indexer_block(qb), group="block")
     # Streamed: one token block at a time, keys read by windows from the pages (one process) or,
@@ -179,11 +183,11 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("replay backward transient (gradient of the largest saved tensor)",
              saved["largest_saved_tensor"], measured=True),
     ]
-    # The MoE layer's capture lines (capture's largest phase) and replay's are checked against
-    # the live-bytes meter, summed per phase, at CP 1 (tests/test_replay_memory.py); the page
-    # window (a view of the pages on CPU), the lines only CP has and the attention layer's
-    # capture scratch (below the MoE layer's on the tiny model) are not.
-    for item in capture_moe + replay:
+    # Capture's lines (per layer kind: tests/test_capture_streamed.py) and replay's
+    # (tests/test_replay_memory.py) are checked against the live-bytes meter, summed per phase,
+    # at CP 1 and two prompt lengths; the page window (a view of the pages on CPU) and the lines
+    # only CP has are not.
+    for item in capture_attention + capture_moe + replay:
         if not item.name.startswith(UNCHECKED_ON_CPU):
             item.measured = True
     notes = [CP_REPLAY_NOTE] if cp > 1 else []
