@@ -74,12 +74,17 @@ class PlanSpec:
     """"exact": the exact prompt gradient (prompt_backward.py): `prompt_backward_items`."""
     moe_imbalance: float = 1.0
     """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
+    gdn_kernels: str = "fla"
+    """Qwen3.6's delta rule in replay: "fla" (the GPU's FLA kernels, analytic) or "torch"
+    (Megatron-Core's torch chunked rule, what the CPU runs: the plan the CPU tests check)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "group_size", "response_len", "cp", "ep", "page_tokens",
                      "token_block", "query_block", "key_block", "ranks_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.gdn_kernels not in ("fla", "torch"):
+            raise ValueError(f"gdn_kernels must be 'fla' or 'torch', got {self.gdn_kernels!r}.")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {sorted(TRAINABLE)}, got {self.trainable!r}.")
 

@@ -220,7 +220,9 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
             "gdn_working_set_device": gdn_device + mlp,
             "attention_working_set_device": attention_device + mlp,
             "head": head, "head_device": head - c * V * acc, "loss": loss,
-            "largest_saved_tensor": max(keys * G * d * b, c * V * acc, s * hv * dv * acc,
+            # The pages are a constant part (models/partials.py): of the keys only the branch's
+            # own rows [s, G, d] get a gradient.
+            "largest_saved_tensor": max(s * G * d * b, c * V * acc, s * hv * dv * acc,
                                         s * H * d * acc if cp > 1 else 0),
             "checkpointed": embed + inputs + head + loss,
             "end_of_forward": end_of_forward, "inside_last_gdn": inside_last_gdn,
@@ -296,7 +298,9 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("replay recompute: attention layer + MLP (K/V cat counted once)",
              saved["attention_working_set_device"], measured=True, group="graph"),
         Item("replay recompute: GDN layer + MLP (FLA kernel's saved set, analytic)",
-             saved["gdn_working_set_device"], group="graph"),
+             saved["gdn_working_set_device"], group="graph") if spec.gdn_kernels == "fla" else
+        Item("replay recompute: GDN layer + MLP (torch chunked rule's saved set)",
+             saved["gdn_layer"], measured=True, group="graph"),
         Item("replay LM head + loss (before the layers' backward)",
              saved["head_device"] + saved["loss"], measured=True, group="graph"),
         # The pages are a constant part (models/partials.py; exact mode: one key window's
