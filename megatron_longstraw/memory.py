@@ -17,12 +17,15 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import os
 import resource
 import sys
+import time
 from typing import ClassVar, Iterator
 
 import torch
+import torch.distributed as dist
 
 
 class _Saved:
@@ -106,7 +109,9 @@ class LiveBytesMeter:
     10 us of processing on exit). The CPU allocator does not know the size of a block made
     before the meter started, so freeing such a block inside is not seen: on CPU the figure is the
     live bytes of blocks allocated since entry, never below 0. Allocations on other Python threads
-    are not seen (the profiler reports memory per thread). Cannot run under another profiler.
+    are not seen (the profiler reports memory per thread); so that the collectives' tensors are
+    freed on this one, the CPU meter runs inside `collective_frees_on_this_thread` (gloo).
+    Cannot run under another profiler.
 
     CUDA: `memory_allocated` and `max_memory_allocated`, exact for the blocks the caching allocator
     hands out: a request rounded up to 512 B, and a large request served from a cached block may take
@@ -211,6 +216,8 @@ class _CpuAllocationEvents:
         # Only user-scope ranges (the phase markers) are recorded beside the memory events: aten
         # ops are not, which keeps the overhead to the allocations themselves.
         _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+        self._collectives = collective_frees_on_this_thread()
+        self._collectives.__enter__()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -224,6 +231,7 @@ class _CpuAllocationEvents:
                 pass
 
     def stop(self) -> tuple[int, int, list[PhasePeak]]:
+        self._collectives.__exit__(None, None, None)
         events, spans, marks = self._read_events()
         host = self._host_allocations(events, marks)
         times, live_after = [], []                         # live bytes after each event
@@ -232,8 +240,8 @@ class _CpuAllocationEvents:
         for i, (time_ns, ptr, nbytes) in enumerate(events):
             if nbytes > 0 and ptr in block_bytes:
                 # An address handed out again was freed: its free went unrecorded (the profiler
-                # records this thread's events; a gloo worker thread that drops the last
-                # reference to a collective's tensor frees it there).
+                # records this thread's events; a free on another thread, e.g. a collective
+                # called outside `collective_frees_on_this_thread`, is not seen).
                 if ptr in host_blocks:
                     host_blocks.discard(ptr)
                     host_live -= block_bytes.pop(ptr)
@@ -347,6 +355,90 @@ class _CudaCounters:
     def stop(self) -> tuple[int, int, list[PhasePeak]]:
         self._fold_peak()
         return self.peak, self._now(), self.phases
+
+
+# Blocking collectives of torch.distributed (the names that exist in the installed torch are
+# wrapped), and the two that Megatron-Core's tensor_parallel.mappings binds at import.
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all",
+                "all_to_all_single", "broadcast", "gather", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "scatter", "_all_gather_base", "_reduce_scatter_base")
+_MEGATRON_ALIASES = ("dist_all_gather_func", "dist_reduce_scatter_func")
+_RELEASE_TIMEOUT_S = 5.0
+
+
+def _tensor_args(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    for arg in (*args, *kwargs.values()):
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                found.append(item)
+    return found
+
+
+def _references(tensor: torch.Tensor, storage) -> tuple[int, int, int, int]:
+    """What holds `tensor` and its storage: the C++ use counts of both and the reference counts of
+    their Python objects (torch keeps a Python object alive while C++ holds it, so the backend's
+    last release is of the Python object, under the GIL)."""
+    return (tensor._use_count(), torch._C._storage_Use_Count(storage._cdata),
+            sys.getrefcount(tensor), sys.getrefcount(storage))
+
+
+def _returning_after_release(fn):
+    """`fn`, a blocking collective, returning only once the backend has dropped the references it
+    took to the tensors passed in (`_references` back to their values at the call), or after
+    `_RELEASE_TIMEOUT_S`. Calls with async_op=True pass through."""
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        if kwargs.get("async_op"):
+            return fn(*args, **kwargs)
+        held = [(t, t.untyped_storage()) for t in _tensor_args(args, kwargs)]
+        before = [_references(t, storage) for t, storage in held]
+        result = fn(*args, **kwargs)
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while (any(any(now > then for now, then in zip(_references(t, storage), counts))
+                   for (t, storage), counts in zip(held, before))
+               and time.monotonic() < deadline):
+            time.sleep(0)                             # releases the GIL the backend's thread needs
+        return result
+    return collective
+
+
+@contextlib.contextmanager
+def collective_frees_on_this_thread() -> Iterator[None]:
+    """While active, every blocking torch.distributed collective returns only once the process
+    group has released the tensors passed to it; the CPU `LiveBytesMeter` runs inside it.
+
+    Why: gloo runs a collective on a worker thread, which releases its references (the work, its
+    future, and the tensors' Python objects that torch kept alive for them) a moment after the
+    caller's wait returns. A caller that drops a tensor in that moment leaves the last reference
+    to the worker, which frees the block where the profiler records nothing: the CPU meter would
+    count it live until its address is handed out again (a buffer of a GDN exchange, a gathered
+    key window). Waiting for the release makes the caller's own drop the free, on this thread,
+    recorded: the meter sees every collective's frees where the program makes them.
+
+    Results unchanged: each collective is the original function called with the same arguments,
+    and its return value is returned; it has completed (the backend signalled it) before the
+    wrapper waits, and the wrapper keeps no tensor past its return. Only the return is delayed,
+    by the microseconds the worker takes to release (at most `_RELEASE_TIMEOUT_S`, after which it
+    returns anyway and the meter's address-reuse fallback applies). What is patched: the
+    attributes `_COLLECTIVES` of `torch.distributed` (Megatron-Core and this package look them up
+    at call time) and Megatron-Core's import-time aliases `_MEGATRON_ALIASES`, restored on exit.
+    Calls with async_op=True are not covered (the caller's work handle holds the tensors).
+    A no-op where torch.distributed is unavailable."""
+    if not dist.is_available():
+        yield
+        return
+    targets = [(dist, name) for name in _COLLECTIVES if hasattr(dist, name)]
+    mappings = sys.modules.get("megatron.core.tensor_parallel.mappings")
+    targets += [(mappings, name) for name in _MEGATRON_ALIASES if hasattr(mappings, name)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
+    for owner, name, fn in saved:
+        setattr(owner, name, _returning_after_release(fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def note_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -304,22 +304,62 @@ def streamed_capture_worker(rank, cases, blocks):
         out["peaks"] = {"whole": [], "streamed": []}
         for mode, peaks in out["peaks"].items():
             for ids in prompts[1:]:
-                runs = []
-                # The lowest of two: a gloo worker thread may free a tensor unseen by the CPU
-                # meter, which then counts it until its address is reused (memory.py).
-                for _ in range(2 if mode == "streamed" else 1):
-                    with LiveBytesMeter("cpu", exclude_host=True) as meter:
-                        captured = capture(model, ids, mode, exact=False)
-                    runs.append({"device": meter.peak_bytes, "host": meter.host_peak_bytes,
-                                 "pages": captured.pages.nbytes(allocated=True),
-                                 "local_rows": captured.positions.numel()})
-                    if mode == "streamed" and ids is prompts[1] and "aligned" not in out:
-                        pages = captured.pages       # blocks aligned with one process's
-                        out["aligned"] = {
-                            "positions": captured.positions.clone(),
-                            "pages": {(layer, kind): pages.fetch(layer, kind).clone()
-                                      for layer in pages.layers() for kind in pages.kinds(layer)}}
-                    del captured
-                peaks.append(min(runs, key=lambda run: run["device"]))
+                with LiveBytesMeter("cpu", exclude_host=True) as meter:
+                    captured = capture(model, ids, mode, exact=False)
+                peaks.append({"device": meter.peak_bytes, "host": meter.host_peak_bytes,
+                              "pages": captured.pages.nbytes(allocated=True),
+                              "local_rows": captured.positions.numel()})
+                if mode == "streamed" and ids is prompts[1]:
+                    pages = captured.pages               # blocks aligned with one process's
+                    out["aligned"] = {
+                        "positions": captured.positions.clone(),
+                        "pages": {(layer, kind): pages.fetch(layer, kind).clone()
+                                  for layer in pages.layers() for kind in pages.kinds(layer)}}
+                del captured
         outs.append(out)
     return outs
+
+
+def collective_frees_worker(rank, repeats):
+    """Each collective the capture path calls (plain gloo group of 2), `repeats` times, on tensors
+    made and dropped inside a CPU `LiveBytesMeter`: per collective, how many meters ended above
+    0 (a free they did not see) and whether the results were right."""
+    import torch.distributed as dist
+
+    from megatron_longstraw.memory import LiveBytesMeter
+
+    dist.init_process_group("gloo", init_method=os.environ["LONGSTRAW_TEST_INIT"], rank=rank,
+                            world_size=2)
+    unseen, right = {}, {}
+    for name in ("all_to_all_single", "broadcast", "all_gather", "all_gather_into_tensor",
+                 "all_reduce"):
+        unseen[name], right[name] = 0, True
+        for i in range(repeats):
+            n = 500 + 2 * i                               # a new size each time: no reused block
+            with LiveBytesMeter("cpu") as meter:
+                x = torch.full((n,), float(rank + 1), dtype=torch.float64)
+                if name == "all_to_all_single":
+                    out = torch.empty_like(x)
+                    dist.all_to_all_single(out, x)
+                    ok = torch.equal(out, torch.cat([torch.full((n // 2,), 1.0),
+                                                     torch.full((n // 2,), 2.0)]).double())
+                elif name == "broadcast":
+                    dist.broadcast(x, src=0)
+                    ok = bool((x == 1).all())
+                elif name == "all_gather":
+                    out = [torch.empty_like(x) for _ in range(2)]
+                    dist.all_gather(out, x)
+                    ok = all(bool((o == r + 1).all()) for r, o in enumerate(out))
+                elif name == "all_gather_into_tensor":
+                    out = x.new_empty(2 * n)
+                    dist.all_gather_into_tensor(out, x)
+                    ok = bool((out[:n] == 1).all() and (out[n:] == 2).all())
+                else:
+                    dist.all_reduce(x)
+                    ok = bool((x == 3).all())
+                del x
+                out = None
+            unseen[name] += meter.end_bytes != 0
+            right[name] = right[name] and ok
+    dist.destroy_process_group()
+    return unseen, right
