@@ -364,12 +364,7 @@ class HeadParallel:
         if x.shape[-1] % self.layout.size:
             raise ValueError(f"{x.shape[-1]} columns do not split over CP {self.layout.size}.")
         padded = torch.cat([x, x.new_zeros((self.rows - x.shape[0],) + x.shape[1:])])
-        if torch.is_grad_enabled():
-            return all_to_all_sp2hp(padded, group=self.layout.group)[self.index]
-        # Megatron's layout: column block j of every row to rank j, rank-major on arrival.
-        size = self.layout.size
-        send = padded.reshape(self.rows, size, -1).transpose(0, 1).contiguous()
-        return self._all_to_all(send).reshape(size * self.rows, -1)[self.index]
+        return all_to_all_sp2hp(padded, group=self.layout.group)[self.index]
 
     def to_rows(self, y: torch.Tensor) -> torch.Tensor:
         """[total, d / size] -> [n_local, d]: the inverse of `to_heads`."""
@@ -377,20 +372,7 @@ class HeadParallel:
 
         padded = y.new_zeros((self.layout.size * self.rows,) + y.shape[1:]).index_copy(
             0, self.index, y)
-        if torch.is_grad_enabled():
-            return all_to_all_hp2sp(padded, group=self.layout.group)[:self.local_rows]
-        size = self.layout.size
-        received = self._all_to_all(padded.reshape(size, self.rows, -1))
-        return received.transpose(0, 1).reshape(self.rows, -1)[:self.local_rows]
-
-    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
-        """Without autograd: block i of `send` [size, ...] to rank i -> block i from rank i. The
-        exchange keeps both buffers until it is dropped itself: on gloo a worker thread may
-        otherwise drop a tensor's last reference, a free the CPU live-bytes meter cannot see."""
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.layout.group)
-        self._held = getattr(self, "_held", []) + [send, received]
-        return received
+        return all_to_all_hp2sp(padded, group=self.layout.group)[:self.local_rows]
 
 
 def broadcast_rows(x: torch.Tensor, src: int, rows: int, layout: CPLayout,
