@@ -52,11 +52,11 @@ def compact_selection(selection: torch.Tensor) -> tuple[torch.Tensor | None, tor
     """A selection [s, k] of row indices (-1 = none) -> (the distinct rows it reads, sorted, or
     None when it reads none; the selection as indices into them, -1 kept)."""
     valid = selection >= 0
-    used = selection[valid].unique()
+    used, inverse = selection[valid].unique(return_inverse=True)
     if used.numel() == 0:
         return None, selection
     local = torch.full_like(selection, -1)
-    local[valid] = torch.searchsorted(used, selection[valid])
+    local[valid] = inverse
     return used, local
 
 
