@@ -107,6 +107,11 @@ class _SeqEntry:
 class PageStore:
     """Per-layer, per-kind captured prompt state in paged (optionally pinned) host memory.
 
+    ``device_copies`` (class default False): fetches and prefetches to the storage device copy,
+    as they do to a GPU, instead of handing out views: on CPU the live-bytes meter then sees the
+    page window a device holds (tests/test_replay_memory.py checks the planner's line with it).
+    Results are unchanged (a copy of the same rows).
+
     Sequence kinds are filled with :meth:`append` (rows ``[n, *row_shape]``, dim 0 =
     tokens) and fetched as ``[num_tokens, *row_shape]``; fixed kinds are set with
     :meth:`put` and fetched as stored. Floating-point tensors are stored in
@@ -147,6 +152,8 @@ class PageStore:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._d2h_event: torch.cuda.Event | None = None  # last async device->host copy
         self._grads: dict[tuple[int, str], torch.Tensor] = {}  # exact mode: d loss / d state
+
+    device_copies: bool = False
 
     # ------------------------------------------------------------------ writing
     def _target_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -341,7 +348,7 @@ class PageStore:
         e = self._entry(layer_idx, kind)
         nb = self.pin_memory
         if not isinstance(e, _SeqEntry):
-            return e.to(device, non_blocking=nb)
+            return e.to(device, non_blocking=nb, copy=self.device_copies)
         out = torch.empty((e.num_tokens, *e.row_shape), dtype=e.dtype, device=device)
         for p, page in enumerate(e.pages):
             start = p * self.page_tokens
@@ -379,7 +386,7 @@ class PageStore:
                 stream.wait_event(event)
                 t.record_stream(stream)
             return cast(t)
-        if device != self.storage_device:
+        if device != self.storage_device or self.device_copies:
             if self._d2h_event is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).wait_event(self._d2h_event)
             return cast(self._to_device(layer_idx, kind, device))
@@ -496,7 +503,8 @@ class PageStore:
     def prefetch(self, layer_idx: int, device: torch.device | str) -> None:
         """Start copying all kinds of a layer to ``device`` (CUDA: side stream + event; CPU: no-op)."""
         device = torch.device(device)
-        if device == self.storage_device or device.type == "cpu" or layer_idx not in self._order:
+        if layer_idx not in self._order or (
+                not self.device_copies and (device == self.storage_device or device.type == "cpu")):
             return
         pre = self._prefetched.get(layer_idx)
         if pre is not None and pre[0] == device:

@@ -16,8 +16,9 @@ from megatron_longstraw.planner.mla import (
 
 # ---- GLM-5.2 ------------------------------------------------------------------------------------
 
-UNCHECKED_ON_CPU = ("streamed page window", "global position lookup", "capture exchange windows")
-"""Capture / replay lines no CPU test compares with the meter (see `glm52`)."""
+UNCHECKED_ON_CPU = ("global position lookup", "capture exchange windows", "global top-k merge",
+                    "LSE merge")
+"""Capture / scoring / replay lines no CPU test compares with the meter (the CP-only ones)."""
 
 
 def glm52_params(cfg) -> list[ParamGroup]:
@@ -151,18 +152,24 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     capture_host = streamed_capture_host(cfg, n, b, min(topk, total),
                                          total if cp > 1 else 0, d_qk + di)
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
-    # layers' local pages; on CPU a view of the pages, nothing copied); the pages and the branch's
-    # rows are attended as two parts (models/partials.py: no cat); the CP path builds a global
-    # position lookup.
-    common = [Item("streamed page window (2 layers' local pages)",
-                   2 * n * (d_qk * spec.latent_bytes + index_read) + dequant(n)),
-              Item("global position lookup [P + R] int64 (CP path)",
+    # layers' local pages, every kind; on CPU views of the pages unless `PageStore.device_copies`);
+    # the pages and the branch's rows are attended as two parts (models/partials.py: no cat); the
+    # CP path builds a global position lookup.
+    latent_rows = n * d_qk * spec.latent_bytes
+    two_layers = 2 * (latent_rows + n * index_read) + dequant(n)
+    common = [Item("global position lookup [P + R] int64 (CP path)",
                    8 * (total + r_pad) if cp > 1 else 0)]
     # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
     host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
                                 spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4,
                                 measured=True)]
     scoring = common + [
+        Item("streamed page window (2 layers' local pages)", two_layers),
+        # One process: the top-k runs over [prompt; branch] index keys and positions (a cat).
+        Item("index keys and positions of [prompt; branch] [P + R, index] + int64 (one process)",
+             (n + r_pad) * (di * b + 8) if cp == 1 else 0),
+        Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
+             2 * rows * cfg.vocab_size * acc),
         Item("indexer scores [query_block, index_heads, key_block] fp32",
              indexer_block(min(spec.query_block, r_pad)), group="step"),
         # Under CP the gathered queries are selected per query block too (attention.py): the
@@ -173,6 +180,11 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         lse_merge_item(cfg, r_pad, cp, acc),
     ]
     replay = common + [
+        # The backward's recompute reads one layer's latent rows; the forward holds two layers'
+        # prefetched pages (every kind), while no layer's saved tensors are alive.
+        Item("streamed page window: one layer's local latent rows (the backward)", latent_rows),
+        Item("replay forward: two layers' prefetched pages, beyond the latent rows above",
+             two_layers - latent_rows, group="graph"),
         Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
              saved["checkpoint_inputs"] + saved["embedding"], measured=True),
         Item("replay recompute working set (one decoder layer)", saved["layer_working_set_device"],
@@ -183,11 +195,11 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("replay backward transient (gradient of the largest saved tensor)",
              saved["largest_saved_tensor"], measured=True),
     ]
-    # Capture's lines (per layer kind: tests/test_capture_streamed.py) and replay's
-    # (tests/test_replay_memory.py) are checked against the live-bytes meter, summed per phase,
-    # at CP 1 and two prompt lengths; the page window (a view of the pages on CPU) and the lines
-    # only CP has are not.
-    for item in capture_attention + capture_moe + replay:
+    # Capture's lines (per layer kind: tests/test_capture_streamed.py), scoring's and replay's
+    # (tests/test_replay_memory.py, the page window copied as on a device) are checked against
+    # the live-bytes meter, summed per phase, at CP 1 and two prompt lengths; the lines only CP
+    # has are not.
+    for item in capture_attention + capture_moe + scoring + replay:
         if not item.name.startswith(UNCHECKED_ON_CPU):
             item.measured = True
     notes = [CP_REPLAY_NOTE] if cp > 1 else []
