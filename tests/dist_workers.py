@@ -363,3 +363,32 @@ def collective_frees_worker(rank, repeats):
             right[name] = right[name] and ok
     dist.destroy_process_group()
     return unseen, right
+
+
+def phase_peaks_worker(rank, cases, blocks):
+    """One GRPO step per prompt length on CP (x EP) ranks (`cases`: (family, cp, ep, weights
+    path, prompt lengths)), two members of 16 tokens, the pages copied on every read as to a
+    device (`PageStore.device_copies`): each phase's own peak (live-bytes meter, host storage
+    left out) per length, after a warm-up step."""
+    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.memory import LiveBytesMeter
+    from megatron_longstraw.pages import PageStore
+    from megatron_longstraw.schedule import forward_backward_longstraw
+
+    def peaks(model, cfg, prompt_len):
+        group = _group(cfg, prompt_len, (16, 16), seed=prompt_len)
+        ls = LongStrawConfig(group_size=2, max_response_len=16, **blocks)
+        with LiveBytesMeter("cpu", exclude_host=True) as meter:
+            forward_backward_longstraw(model, group, ls)
+        own = {}
+        for phase in meter.phases:
+            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+        return own
+
+    PageStore.device_copies = True
+    outs = []
+    for family, cp, ep, state_path, lengths in cases:
+        cfg, model, _ = _case_model(family, cp, ep, state_path)
+        peaks(model, cfg, 64)                                         # warm-up
+        outs.append([peaks(model, cfg, n) for n in lengths])
+    return outs

@@ -16,9 +16,9 @@ from megatron_longstraw.planner.mla import (
 
 # ---- GLM-5.2 ------------------------------------------------------------------------------------
 
-UNCHECKED_ON_CPU = ("global position lookup", "capture exchange windows", "global top-k merge",
-                    "LSE merge")
-"""Capture / scoring / replay lines no CPU test compares with the meter (the CP-only ones)."""
+UNCHECKED_ON_CPU = ("global top-k merge", "LSE merge")
+"""Lines no CPU test bounds: scoring's CP-only ones (under CP 2 scoring holds more than its plan;
+tests/test_capture_streamed_cp.py)."""
 
 
 def glm52_params(cfg) -> list[ParamGroup]:
@@ -197,8 +197,9 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     ]
     # Capture's lines (per layer kind: tests/test_capture_streamed.py), scoring's and replay's
     # (tests/test_replay_memory.py, the page window copied as on a device) are checked against
-    # the live-bytes meter, summed per phase, at CP 1 and two prompt lengths; the lines only CP
-    # has are not.
+    # the live-bytes meter, summed per phase, at CP 1 and two prompt lengths; capture's and
+    # replay's at CP 2 too (an upper bound: tests/test_capture_streamed_cp.py), so their CP-only
+    # lines are; scoring's CP-only lines are not (UNCHECKED_ON_CPU).
     for item in capture_attention + capture_moe + scoring + replay:
         if not item.name.startswith(UNCHECKED_ON_CPU):
             item.measured = True
