@@ -16,15 +16,16 @@ stands for. Three groups of figures are checked against the built models on CPU
   full-size Qwen3.6 is built on the meta device and counted.
 
 - GLM-5.2's capture phases (per layer kind: block scratch, selected rows, MoE dispatch),
-  scoring and replay phases (the page window, the LM head, the backward transient with the
-  lines above), summed as `phase_bytes` sums them, against the live-bytes meter at two prompt
-  lengths, the pages copied on every read as to a device: an upper bound that the runs reach to
-  75-90% (tests/test_capture_streamed.py, tests/test_replay_memory.py); Qwen3.6's replay with
-  `gdn_kernels="torch"` (the delta rule the CPU runs); DeepSeek-V3's capture and replay: upper
-  bounds.
+  scoring and replay phases (the page window, the LM head, the selections, the backward
+  transient with the lines above), summed as `phase_bytes` sums them, against the live-bytes
+  meter at two prompt lengths, the pages copied on every read as to a device: an upper bound at
+  CP 1 and 2 (the CP-only lines), which the CP 1 runs reach to 75-99%
+  (tests/test_capture_streamed.py, tests/test_replay_memory.py,
+  tests/test_capture_streamed_cp.py); Qwen3.6's replay with `gdn_kernels="torch"` (the delta
+  rule the CPU runs); DeepSeek-V3's capture and replay: upper bounds.
 
-The rest (the lines only CP has, Qwen3.6's capture and scoring scratch and the GPU kernels'
-working sets: FLA's delta rule and l2norm instead of the PyTorch ones the CPU runs) is analytic:
+The rest (Qwen3.6's capture and scoring scratch and its CP-only lines, DeepSeek-V3's scoring,
+and the GPU kernels' working sets: FLA's delta rule and l2norm instead of the PyTorch ones the CPU runs) is analytic:
 read off the code, not measured on a GPU; the report labels each item so.
 
 A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
