@@ -169,14 +169,12 @@ def test_phase_peaks_against_the_planner(measured, with_device_copies):
     CP-only ones), within PLAN_TIGHTNESS of it. Qwen3.6: replay, planned with the delta rule the
     CPU runs (`gdn_kernels="torch"`; the GPU plan's FLA saved set is analytic), within
     PLAN_TIGHTNESS too; its capture and scoring lines describe FLA's kernels, not compared.
-    DeepSeek-V3's lines are analytic: its replay plan is an upper bound (0.5-0.8 of it), its
-    scoring plan is not (it omits the branch forward and LM head), not compared."""
+    DeepSeek-V3's lines are analytic: an upper bound (replay 0.5-0.8 of it)."""
     family, cfg, *_ = measured
     for prompt_len, own in zip((P, 4 * P), with_device_copies):
         plan = _planned_device(family, cfg, prompt_len)
         for phase, planned in plan.items():
-            if (family == "qwen36" and phase != "replay") or (
-                    family == "deepseekv3" and phase == "scoring"):
+            if family == "qwen36" and phase != "replay":
                 continue
             ratio = own[phase] / planned
             print(f"{family} P={prompt_len}: {phase} own peak {own[phase]} B, planned "

@@ -97,6 +97,8 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                    2 * n * d_qk * spec.latent_bytes)]
     qs = min(spec.query_block, r_pad)
     scoring = common + [
+        Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
+             2 * rows * cfg.vocab_size * acc),
         Item("dense attention block [query_block, heads, key_block]", scores(qs), group="step"),
         lse_merge_item(cfg, r_pad, cp, acc),
     ]
