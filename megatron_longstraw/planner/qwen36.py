@@ -286,11 +286,20 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     # attention layer's K/V and one GDN layer's state are on the device at once.
     window = Item("streamed page window (one attention layer's K/V + one GDN layer's state)",
                   n * kv_row + fixed)
+    # Scoring runs the branch's layers one at a time ("one of: layer"): attention over the pages
+    # and its own K/V, GDN over all R_pad rows (this rank's heads under CP), the MLP, the LM head.
+    gdn_scoring = Item("scoring GDN layer over the branch (in_proj, conv, gated norm, FLA chunk "
+                       "kernel) + the carried state", gdn_block(r_pad) + fixed, group="layer")
     scoring = [window,
                Item("branch K/V [R, groups, d] x2 (pages attended as their own part: no cat)",
                     r_pad * 2 * G * d * b),
                Item("attention block scratch [query_block, heads, key_block] fp32",
-                    scores(min(spec.query_block, r_pad))),
+                    scores(min(spec.query_block, r_pad)), group="layer"),
+               gdn_scoring,
+               Item("scoring MLP [R_pad, 3 x ffn] + zero-centred norm fp32",
+                    r_pad * (3 * ffn * b + 2 * h * acc), group="layer"),
+               Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
+                    2 * rows * cfg.vocab_size * acc, group="layer"),
                Item("LSE merge: [weight * out; weight] [R, heads, d + 1] fp32 + reduce-scatter",
                     2 * r_pad * H * (d + 1) * acc if cp > 1 else 0)]
     replay = [
