@@ -213,29 +213,35 @@ def test_cp2_streamed_capture_device_bytes_flat(cp2, family):
 
 
 def test_cp2_phase_peaks_against_the_planner(tmp_path):
-    """GLM-5.2 on 2 CP ranks (fp64), one step at P = 193 and 769, the pages copied on every read
-    as to a device: each rank's own peak in capture, scoring and replay against the planner's
-    phase at CP 2 (the lines only CP has included: the exchange windows, the global position
-    lookup, the gathered branch rows, the global top-k merge, the log-sum-exp merge): never above
-    the plan (observed 0.93, 0.985-0.988 and 0.82-0.92)."""
+    """GLM-5.2 and Qwen3.6 on 2 CP ranks (fp64), one step at P = 193 and 769, the pages copied on
+    every read as to a device: each rank's own peak in capture, scoring and replay against the
+    planner's phase at CP 2 (the lines only CP has included: the exchange windows, the global
+    position lookup, the gathered branch rows, the global top-k merge, the log-sum-exp merge;
+    Qwen3.6: GDN's head-parallel exchange, planned with the delta rule the CPU runs): never above
+    the plan and at least 80% of it (observed GLM-5.2 0.93, 0.985-0.988 and 0.82-0.92; Qwen3.6
+    0.993, 0.971-0.975 and 0.886-0.923)."""
     from test_capture_streamed import _build
     from megatron_longstraw import planner
 
-    cases = [("glm52", 2, 1, _weights(tmp_path, "glm52"), LENGTHS)]
+    families = ("glm52", "qwen36")
+    cases = [(family, 2, 1, _weights(tmp_path, family), LENGTHS) for family in families]
     ranks = run_ranks(dist_workers.phase_peaks_worker, 2, cases=cases, blocks=BLOCKS)
-    cfg, _ = _build("glm52", torch.float64)
-    for i, prompt_len in enumerate(LENGTHS):
-        spec = planner.PlanSpec(family="glm52", model=cfg, prompt_len=prompt_len, group_size=2,
-                                response_len=16, cp=2, weight_bytes=8, act_bytes=8,
-                                latent_bytes=8, index_key_bytes=8, page_tokens=16384, **BLOCKS)
-        plan = planner.plan(spec, search_max=False)
-        planned = {"capture": max(planner.phase_bytes(items) for name, items in plan.phases.items()
-                                  if name.startswith("capture")),
-                   "scoring": planner.phase_bytes(plan.phases["scoring"]),
-                   "replay": planner.phase_bytes(plan.phases["replay"])}
-        for rank, out in enumerate(ranks):
-            own = out[0][i]
-            for phase, bytes_ in planned.items():
-                print(f"glm52 CP 2 rank {rank} P={prompt_len}: {phase} own peak {own[phase]} B, "
-                      f"planned {bytes_:.0f} B ({own[phase] / bytes_:.3f})")
-                assert own[phase] <= bytes_, (rank, prompt_len, phase)
+    for case, family in enumerate(families):
+        cfg, _ = _build(family, torch.float64)
+        for i, prompt_len in enumerate(LENGTHS):
+            spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len,
+                                    group_size=2, response_len=16, cp=2, weight_bytes=8,
+                                    act_bytes=8, latent_bytes=8, index_key_bytes=8,
+                                    page_tokens=16384, gdn_kernels="torch", **BLOCKS)
+            plan = planner.plan(spec, search_max=False)
+            planned = {"capture": max(planner.phase_bytes(items)
+                                      for name, items in plan.phases.items()
+                                      if name.startswith("capture")),
+                       "scoring": planner.phase_bytes(plan.phases["scoring"]),
+                       "replay": planner.phase_bytes(plan.phases["replay"])}
+            for rank, out in enumerate(ranks):
+                own = out[case][i]
+                for phase, bytes_ in planned.items():
+                    print(f"{family} CP 2 rank {rank} P={prompt_len}: {phase} own peak "
+                          f"{own[phase]} B, planned {bytes_:.0f} B ({own[phase] / bytes_:.3f})")
+                    assert 0.8 * bytes_ <= own[phase] <= bytes_, (family, rank, prompt_len, phase)

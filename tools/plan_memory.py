@@ -84,6 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
                    help="exact: add what the exact prompt gradient keeps (host: layer inputs; "
                         "device: page leaves and cotangents)")
+    p.add_argument("--gdn-kernels", choices=("fla", "torch"), default="fla",
+                   help="Qwen3.6's delta rule: fla (the GPU's kernels; their working sets are "
+                        "analytic) or torch (Megatron-Core's chunked rule, what the CPU runs: "
+                        "every line checked against the live-bytes meter)")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -121,7 +125,8 @@ def build_spec(args) -> planner.PlanSpec:
         token_block=blocks.token_block, query_block=blocks.query_block, key_block=blocks.key_block,
         gpu_bytes=args.gpu, device_reserve=args.device_reserve, host_bytes=args.host_memory,
         ranks_per_node=args.ranks_per_node, host_reserve_per_rank=args.host_reserve,
-        moe_imbalance=args.moe_imbalance, prompt_grad=args.prompt_grad)
+        moe_imbalance=args.moe_imbalance, prompt_grad=args.prompt_grad,
+        gdn_kernels=args.gdn_kernels)
 
 
 def main(argv=None) -> dict:

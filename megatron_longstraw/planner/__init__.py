@@ -19,14 +19,16 @@ stands for. Three groups of figures are checked against the built models on CPU
   scoring and replay phases (the page window, the LM head, the selections, the backward
   transient with the lines above), summed as `phase_bytes` sums them, against the live-bytes
   meter at two prompt lengths, the pages copied on every read as to a device: an upper bound at
-  CP 1 and 2 (the CP-only lines), which the CP 1 runs reach to 75-99%
+  CP 1 and 2 (the CP-only lines), which the runs reach to 75-99%
   (tests/test_capture_streamed.py, tests/test_replay_memory.py,
-  tests/test_capture_streamed_cp.py); Qwen3.6's replay with `gdn_kernels="torch"` (the delta
-  rule the CPU runs); DeepSeek-V3's capture and replay: upper bounds.
+  tests/test_capture_streamed_cp.py); Qwen3.6's capture (per layer kind: gated attention, GDN,
+  MLP; at CP 2 with GDN's head-parallel exchange), scoring and replay the same way with
+  `gdn_kernels="torch"` (the delta rule the CPU runs), 0.89-0.99; DeepSeek-V3's capture,
+  scoring and replay: upper bounds.
 
-The rest (Qwen3.6's capture and scoring scratch and its CP-only lines, DeepSeek-V3's scoring,
-and the GPU kernels' working sets: FLA's delta rule and l2norm instead of the PyTorch ones the CPU runs) is analytic:
-read off the code, not measured on a GPU; the report labels each item so.
+The rest (the GPU kernels' working sets: FLA's delta rule and l2norm instead of the PyTorch ones
+the CPU runs, Qwen3.6's default plan) is analytic: read off the code, not measured on a GPU; the
+report labels each item so.
 
 A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
 model, `qwen36` against its Qwen3.6 model), named by the family's record (`Family.planner`,

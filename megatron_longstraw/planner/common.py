@@ -75,9 +75,9 @@ class PlanSpec:
     moe_imbalance: float = 1.0
     """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
     gdn_kernels: str = "fla"
-    """Qwen3.6's delta rule in replay's recompute: "fla" (the GPU's FLA kernels, analytic) or
-    "torch" (Megatron-Core's torch chunked rule, what the CPU runs: the plan the CPU tests check).
-    Capture and scoring are planned for FLA either way."""
+    """Qwen3.6's delta rule in capture and replay's recompute: "fla" (the GPU's FLA kernels,
+    analytic) or "torch" (Megatron-Core's torch chunked rule, what the CPU runs: the plan the CPU
+    tests check)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "group_size", "response_len", "cp", "ep", "page_tokens",

@@ -1,10 +1,12 @@
-"""The Qwen3.6 family of the planner: parameters, pages (fixed GDN state, per-token K/V) and replay
-activations of `models/qwen36` (checked against the model in tests/test_planner.py)."""
+"""The Qwen3.6 family of the planner: parameters, pages (fixed GDN state, per-token K/V) and the
+capture, scoring and replay working sets of `models/qwen36` (checked against the model and the
+live-bytes meter, see `qwen36`)."""
 
 from __future__ import annotations
 
 from megatron_longstraw.planner.common import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
+    phase_bytes,
     rank_rows, streamed_capture_device, streamed_capture_host,
 )
 
@@ -122,6 +124,35 @@ def torch_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int,
     return floats * f + masks, last_update * f
 
 
+def torch_chunk_delta_rule_forward_peak(rows: int, heads: int, dk: int, dv: int,
+                                        f: float = 4) -> float:
+    """Peak bytes of Megatron-Core's `torch_chunk_gated_delta_rule` without autograd (capture's
+    CPU kernel; gated_delta_net/common.py, line numbers of Megatron-Core 0.19.2) over `rows`
+    tokens and `heads` heads, every tensor in float32 (`f`), rows padded to whole chunks of
+    C = GDN_CHUNK, beyond its inputs and the initial state (the caller's). The peak is one of
+    three moments: `attn + eye` (866), chunk 0's `q_i @ k_i^T * decay_mask_i` (882, the whole
+    [H, chunks, C, C] `attn` still bound; rebinding it there frees it), or a later line of the
+    chunk loop (its locals attn, v_prime, v_new, attn_inter live on into the next chunk)."""
+    C, H = GDN_CHUNK, heads
+    chunks = -(-rows // C)
+    if chunks == 0:
+        return 0.0
+    T = chunks * C
+    square = H * chunks * C * C                                # one [H, chunks, C, C] tensor
+    before_loop = (3 * H * T * dk + H * T * dv                 # key (padded), query * scale, k_beta, v_beta
+                   + 2 * H * T                                 # beta (padded), g.cumsum
+                   + 2 * square                                # decay_mask, attn (860, 861)
+                   + H * chunks * (C - 1) * C)                 # the last step's row, sub clones (863, 864)
+    at_eye = before_loop + H * T * dv + square                 # value (padded) alive; attn + eye (866)
+    loop = before_loop + 2 * H * T * dv + H * T * dk           # value = attn @ v_beta, core_attn_out, k_cumdecay
+    c, cv = H * C * C, H * C * dv                              # one chunk's [H, C, C], [H, C, d_v]
+    per_chunk = max(c + 5 * cv,                                # 886: attn_inter + attn @ v_new
+                    c + 3 * cv + H * C * (dk + 1) + 3 * H * dk * dv,  # 888-889: the state update
+                    3 * c + 3 * cv if chunks > 1 else 0)       # 882 with the previous chunk's locals
+    floats = max(at_eye, loop + 2 * c, loop - square + per_chunk)
+    return floats * f + C * C                                  # + the bool mask (855 / 875)
+
+
 def fla_chunk_delta_rule_saved(rows: int, heads: int, dk: int, dv: int, b: float) -> float:
     """FLA's `ChunkGatedDeltaRuleFunction` (the GPU kernel): saves q, k, v (H_v heads), g's chunk
     cumsum (fp32), beta and A [rows, H, C] in k's dtype (fla/ops/gated_delta_rule/chunk.py); the
@@ -231,9 +262,10 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
 
 def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     """Qwen3.6 against models/qwen36: parameters, pages and the replay saved set checked on CPU
-    (tests/test_planner.py), the replay phase against the live-bytes meter with the CPU's delta
-    rule (tests/test_replay_memory.py); capture, scoring and the device kernels' scratch
-    analytic."""
+    (tests/test_planner.py); capture, scoring and replay against the live-bytes meter with the
+    CPU's delta rule (`gdn_kernels="torch"`; tests/test_capture_streamed.py,
+    tests/test_replay_memory.py, at CP 2 tests/test_capture_streamed_cp.py); FLA's scratch and
+    saved set (the GPU's kernels) analytic."""
     cfg = spec.model
     b, acc = spec.act_bytes, max(spec.act_bytes, 4.0)
     cp, R = spec.cp, spec.response_len
@@ -257,47 +289,98 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     fla_block = lambda tokens: (             # FLA forward scratch for `tokens` rows
         tokens * hv * ((3 * dk + 4 * dv + 64) * b + 64 * 4 + 8)   # q k v w u v_new o, A, g, beta
         + -(-tokens // GDN_CHUNK) * hv * dk * dv * b)             # h: the state at every chunk start
+    conv, K = cfg.conv_dim() // cp, cfg.linear_conv_kernel_dim
     gdn_block = lambda tokens: (tokens * in_proj // cp * b       # in_proj output (this rank's heads)
-                                + 3 * tokens * cfg.conv_dim() // cp * b  # conv input, output, silu
+                                + 3 * tokens * conv * b          # conv input, output, silu
                                 + 3 * tokens * hv * dv * acc     # gated norm
                                 + fla_block(tokens))
+    # The CPU's rule (gdn.py `_mix`, Megatron's `_prepare_input_for_gated_delta_rule`) at its peak:
+    # in_proj output, conv input [tail; block] (the new tail is a view of it), conv output and
+    # silu, the rule's inputs q, k (repeated to H_v heads), v, gate (contiguous copies), alpha's
+    # copy, g (fp32) and sigmoid(beta), and the rule's own working set.
+    gdn_torch_block = lambda tokens: (
+        tokens * in_proj // cp * b + (tokens + K - 1) * conv * b + 2 * tokens * conv * b
+        + tokens * hv * (2 * dk + 2 * dv) * b + tokens * hv * (2 * b + acc)
+        + torch_chunk_delta_rule_forward_peak(tokens, hv, dk, dv, max(4.0, b)))
     # Streamed: one token block at a time, K/V read by windows from the pages (one process) or
     # from every rank's rows gathered in host memory (CP); GDN under CP exchanges one global
     # token block at a time (gdn.capture_exchange), its output rows staged in host memory.
     residual = streamed_capture_device(cfg, n, tb, b, cp, 2 * G * d)
-    capture_attention = residual + [
-        Item("capture projections of one token block (q, gate [tb, heads, d], k, v)",
-             tb * (2 * H + 2 * G) * d * b),
-        Item("K/V window [key_block, groups, d] x2 (read from the pages)", 2 * kb * G * d * b),
-        Item("attention block scratch [query_block, heads, key_block] fp32", scores(qb)),
-    ]
-    capture_gdn = residual + [Item("GDN token block scratch (in_proj, conv, gated norm, FLA "
-                                   "chunk kernel incl. per-chunk states) + the carried state",
-                                   gdn_block(tb) + fixed)]
+    rot = cfg.rotary_dim()
+
+    def attention_block(tokens: int) -> list[Item]:
+        """One block of `tokens` queries through gated attention without autograd (attention.py
+        `_project`, `_attend_capture_keys` / `_replay`): what lives through the layer call, then
+        one of four moments (the group: never together)."""
+        return [
+            Item("linear_qkv output [tokens, (2 heads + 2 groups) x d] (k, v are views of it)",
+                 tokens * (2 * H + 2 * G) * d * b),
+            Item("gate [tokens, heads, d] (Megatron's split copies it), q and k after norm and "
+                 "RoPE", tokens * (2 * H + G) * d * b),
+            Item("q_layernorm: the split's copy of q + fp32 x2", tokens * H * d * (b + 2 * acc),
+                 group="attention"),
+            Item("RoPE: normed q + rotated halves", tokens * H * d * b + 3 * tokens * H * rot * b,
+                 group="attention"),
+            Item("attention over key windows: output blocks and their cat [tokens, heads, d] x2, "
+                 "lse fp32, K/V window [key_block, groups, d] x2, block scores [query_block, "
+                 "heads, key_block] fp32 x3", 2 * tokens * H * d * b + tokens * H * acc
+                 + 2 * kb * G * d * b + scores(min(spec.query_block, tokens)), group="attention"),
+            Item("output gate: output, sigmoid(gate), product [tokens, heads, d] x3",
+                 3 * tokens * H * d * b, group="attention")]
+
+    def mlp_block(tokens: int) -> list[Item]:
+        return [Item("MLP: fc1 output [tokens, 2 ffn], silu, x_linear + offset, product [tokens, "
+                     "ffn] (Megatron's unfused GLU)", 5 * tokens * ffn * b, group="mlp"),
+                Item("pre_mlp_layernorm (zero-centred, fp32)", tokens * h * (3 * acc + b),
+                     group="mlp")]
+
+    def prefixed(prefix: str, items: list[Item]) -> list[Item]:
+        for item in items:
+            item.name = f"{prefix} {item.name}"
+        return items
+
+    capture_attention = residual + prefixed("capture (token block)", attention_block(tb))
+    gdn_item = (Item("capture GDN token block: in_proj, conv, the rule's inputs and the torch "
+                     "chunked rule's working set + the carried state", gdn_torch_block(tb) + fixed)
+                if spec.gdn_kernels == "torch" else
+                Item("GDN token block scratch (in_proj, conv, gated norm, FLA chunk kernel incl. "
+                     "per-chunk states) + the carried state (FLA: analytic)", gdn_block(tb) + fixed))
+    capture_gdn = residual + [gdn_item]
     if cp > 1:
-        capture_gdn.append(Item("GDN exchange of one global token block: in_proj rows [tb, "
-                                "in_proj_dim] x4 (output, padded, sent, received)",
-                                4 * tb * in_proj * b))
+        # gdn.capture_exchange: a global token block's rows may all be one rank's (the load-
+        # balanced shards are chunks of P / 2CP), so in_proj's output is up to [tb, in_proj_dim];
+        # the exchange's buffers are freed before the rule runs (a moment of their own).
+        gdn_item.group = "gdn"
+        capture_gdn.append(Item("capture GDN exchange of one global token block (CP): in_proj "
+                                "rows [tb, in_proj_dim] x4 (output, padded, sent, received)",
+                                4 * tb * in_proj * b, group="gdn"))
+        capture_gdn.append(Item("capture GDN exchange (CP): the previous global block's gated-"
+                                "norm output [tb, H_v / CP x d_v] and out_proj output [tb, h] "
+                                "(bound until the next block's replace them), the exchange's "
+                                "row indices, head permutation and this rank's conv1d weight",
+                                tb * (hv * dv + h) * b + 8 * (in_proj + 3 * tb) + conv * K * b))
     capture_host = streamed_capture_host(cfg, n, b, 0, total if cp > 1 else 0, 2 * G * d,
                                          staged=cp > 1)
-    capture_mlp = residual + [Item("MLP token chunk [token_block, 3 x ffn] + zero-centred norm "
-                                   "fp32", tb * (3 * ffn * b + 2 * h * acc))]
+    capture_mlp = residual + prefixed("capture (token block)", mlp_block(tb))
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs, so one
     # attention layer's K/V and one GDN layer's state are on the device at once.
     window = Item("streamed page window (one attention layer's K/V + one GDN layer's state)",
                   n * kv_row + fixed)
     # Scoring runs the branch's layers one at a time ("one of: layer"): attention over the pages
     # and its own K/V, GDN over all R_pad rows (this rank's heads under CP), the MLP, the LM head.
-    gdn_scoring = Item("scoring GDN layer over the branch (in_proj, conv, gated norm, FLA chunk "
-                       "kernel) + the carried state", gdn_block(r_pad) + fixed, group="layer")
+    gdn_scoring = (Item("scoring GDN layer over the branch: in_proj, conv, the rule's inputs and "
+                        "the torch chunked rule's working set + the carried state",
+                        gdn_torch_block(r_pad) + fixed, group="layer")
+                   if spec.gdn_kernels == "torch" else
+                   Item("scoring GDN layer over the branch (in_proj, conv, gated norm, FLA chunk "
+                        "kernel) + the carried state (FLA: analytic)", gdn_block(r_pad) + fixed,
+                        group="layer"))
     scoring = [window,
-               Item("branch K/V [R, groups, d] x2 (pages attended as their own part: no cat)",
-                    r_pad * 2 * G * d * b),
-               Item("attention block scratch [query_block, heads, key_block] fp32",
-                    scores(min(spec.query_block, r_pad)), group="layer"),
+               Item("scoring attention layer over the branch: capture's token-block lines for "
+                    "R_pad queries", phase_bytes(attention_block(r_pad)), group="layer"),
                gdn_scoring,
-               Item("scoring MLP [R_pad, 3 x ffn] + zero-centred norm fp32",
-                    r_pad * (3 * ffn * b + 2 * h * acc), group="layer"),
+               Item("scoring MLP over the branch [R_pad rows]: the larger of the GLU and the norm",
+                    phase_bytes(mlp_block(r_pad)), group="layer"),
                Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
                     2 * rows * cfg.vocab_size * acc, group="layer"),
                Item("LSE merge: [weight * out; weight] [R, heads, d + 1] fp32 + reduce-scatter",
@@ -321,6 +404,14 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("replay backward transient (gradient of the largest saved tensor)",
              saved["largest_saved_tensor"]),
     ]
+    # Capture is checked against the live-bytes meter at two prompt lengths, with the delta rule
+    # the CPU runs: per layer kind on one process (tests/test_capture_streamed.py: 0.95-0.99 of
+    # the plan), per phase at CP 2 (tests/test_capture_streamed_cp.py: 0.99). Every line but
+    # FLA's. Scoring likewise, per phase, one process and CP 2 (tests/test_replay_memory.py,
+    # tests/test_capture_streamed_cp.py: 0.97-0.995).
+    for item in capture_attention + capture_gdn + capture_mlp + scoring:
+        if "analytic" not in item.name:
+            item.measured = True
     # The replay phase, planned with the delta rule the CPU runs (gdn_kernels="torch"), is
     # checked against the live-bytes meter at two prompt lengths (tests/test_replay_memory.py):
     # every replay line but FLA's saved set and the page window (its peak is inside a GDN layer,
@@ -329,8 +420,9 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
         if "analytic" not in item.name and not item.name.startswith("streamed page window"):
             item.measured = True
     notes = ["qwen36: parameters, page bytes and replay saved-tensor bytes (CPU kernels) are checked "
-             "against the model (tests/test_planner.py); the GDN layer's device working set (FLA "
-             "kernels), capture and scoring scratch are analytic."]
+             "against the model (tests/test_planner.py); capture, scoring and replay against the "
+             "live-bytes meter with the CPU's delta rule (gdn_kernels='torch'); the GDN layer's "
+             "device working set with FLA's kernels (the default) is analytic."]
     if cp > 1:
         notes.append(f"CP = {cp}: per-rank pages (K/V of the load-balanced prompt shard; GDN state "
                      "and conv tail sharded by heads, 1 / CP per rank) and replay saved bytes follow "
