@@ -20,6 +20,21 @@ import torch.multiprocessing as mp
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+# Ranks start from a fork server that has imported torch, Megatron-Core and this package once
+# (about 6 s of imports a process otherwise: minutes over the suite on two cores). The server
+# imports only; no parallel state, thread pool or RNG is set up before a rank forks, so each rank
+# starts as a spawned one would, and `_worker` sets its environment first.
+PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.parallel",
+           "megatron_longstraw.schedule", "megatron_longstraw.capture",
+           "megatron_longstraw.models.glm52.model", "megatron_longstraw.models.qwen36.model",
+           "dist_workers"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def _init_file() -> str:
     fd, path = tempfile.mkstemp(prefix="longstraw-rdzv-")
@@ -37,6 +52,7 @@ def _worker(rank, world_size, init_file, fn, kwargs, results):
         os.environ.pop(key, None)
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
+    torch.set_num_threads(1)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -53,7 +69,7 @@ def _worker(rank, world_size, init_file, fn, kwargs, results):
 
 def run_ranks(fn, world_size: int, timeout: float = 600.0, **kwargs) -> list:
     """fn(rank, **kwargs) on `world_size` processes; returns results ordered by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _init_file()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, kwargs, results))
@@ -89,7 +105,7 @@ def run_ranks(fn, world_size: int, timeout: float = 600.0, **kwargs) -> list:
 
 def run_ranks_expect_failure(fn, world_size: int, timeout: float, **kwargs):
     """Like run_ranks, for runs that must fail: returns (seconds, {rank: status or message})."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _init_file()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, kwargs, results))
