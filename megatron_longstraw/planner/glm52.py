@@ -168,9 +168,10 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
              2 * rows * cfg.vocab_size * acc),
         # The pass keeps every full indexer layer's selection of the member until scoring ends
-        # (state.selections, int64; replay.score_member then keeps them as int32 in host memory).
-        Item("the member's DSA selections: full indexer layers x [R_pad, topk] int64",
-             cfg.num_full_indexer_layers() * r_pad * k * 8),
+        # (state.selections, int32; replay.score_member then keeps them in host memory); the
+        # current layer's top-k is int64 while its attention runs.
+        Item("the member's DSA selections: full indexer layers x [R_pad, topk] int32 + the "
+             "current layer's int64", (cfg.num_full_indexer_layers() * 4 + 8) * r_pad * k),
         # Under CP every rank gathers all R_pad branch rows (attention.py,
         # _replay_context_parallel): queries, index queries and weights, index keys, latents; and
         # attends them all, its partial outputs and lses before the merge.

@@ -465,9 +465,11 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             if state.mode == "capture_block":
                 self._keep_block_selection(state, selection, offset + start)
             else:
-                previous = selections.get(core.layer_idx)
-                selections[core.layer_idx] = (selection if start == 0 or previous is None
-                                              else torch.cat([previous, selection]))
+                # Kept for IndexShare's later layers and, scoring, for replay: int32 (global
+                # positions; -1 for none), as replay.score_member returns them.
+                kept, previous = selection.to(torch.int32), selections.get(core.layer_idx)
+                selections[core.layer_idx] = (kept if start == 0 or previous is None
+                                              else torch.cat([previous, kept]))
         if state.used_selections is not None:
             used = state.used_selections.get(core.layer_idx)
             state.used_selections[core.layer_idx] = (
