@@ -60,6 +60,7 @@ says how far it extrapolates.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -186,7 +187,8 @@ def run_one(args) -> dict:
     # This process's CPU seconds (user + sys; one thread) of the forward and of capture, next to
     # their wall seconds: the ratio that other load on the machine does not move.
     cpu_seconds: dict[str, float] = {}
-    with SavedTensorMeter(model) as meter, LiveBytesMeter("cpu") as live:
+    live_meter = contextlib.nullcontext() if args.no_live_meter else LiveBytesMeter("cpu")
+    with SavedTensorMeter(model) as meter, live_meter as live:
         if args.method == "forward":
             cpu = time.process_time()
             with torch.no_grad():
@@ -218,7 +220,8 @@ def run_one(args) -> dict:
         "response_lens": [int(r.numel()) for r in group.response_ids], "recompute": recompute,
         "peak_rss_bytes": peak_rss_bytes(), "base_rss_bytes": base_rss,
         "saved_peak_bytes": meter.peak_bytes, "page_bytes": out["page_bytes"],
-        "live_peak_bytes": live.peak_bytes, "live_phase_bytes": live.phase_peaks,
+        "live_peak_bytes": None if live is None else live.peak_bytes,
+        "live_phase_bytes": None if live is None else live.phase_peaks,
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
         "cpu_seconds": cpu_seconds,
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
@@ -794,6 +797,10 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-live-meter", action="store_true",
+                   help="with --one: run the point without the live-bytes meter (its event "
+                        "record grows with the allocations, so with the prompt: the RSS it adds "
+                        "is the difference); live bytes are then not reported")
     args = p.parse_args(argv)
     if args.sweep and args.config is None:
         args.config = str(ROOT / "examples" / "glm52" / "bench.yaml")
