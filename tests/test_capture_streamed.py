@@ -138,14 +138,9 @@ def test_streamed_capture_device_bytes_flat_and_the_planner_lines(family):
 
 LAYER_KINDS = {"glm52": ("attention", "MoE"), "deepseekv3": ("attention", "MoE"),
                "qwen36": ("attention", "GDN", "MLP")}
-
-
-def _layer_kind(layer) -> str:
-    from megatron_longstraw.models import common
-
-    if common.is_mixer(layer):
-        return "GDN" if "DeltaNet" in type(layer.self_attention).__name__ else "attention"
-    return "MoE" if hasattr(getattr(layer, "mlp", None), "router") else "MLP"
+# The planner's capture phase per `hybrid_layer_pattern` symbol (mixers: common.MIXERS).
+KIND_OF_SYMBOL = {"G": "GDN", "*": "attention", "D": "attention", "+": "attention", "E": "MoE",
+                  "-": "MLP"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,14 +156,16 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
     from megatron_longstraw.models import common
 
     run_layer = common.run_layer
+    cfg, model = _build(family, torch.float32)
+    kind_of = {id(layer): KIND_OF_SYMBOL[symbol]
+               for symbol, layer in zip(model.decoder.layer_type_list, model.decoder.layers)}
 
     def metered(layer, hidden):
-        with memory.phase(_layer_kind(layer)):
+        with memory.phase(kind_of[id(layer)]):
             return run_layer(layer, hidden)
 
     monkeypatch.setattr(common, "run_layer", metered)
     monkeypatch.setattr(capture, "run_layer", metered)
-    cfg, model = _build(family, torch.float32)
     _capture(model, _prompt(cfg, 64), "streamed")                  # warm-up
     for prompt_len in (193, 769):
         ls = LongStrawConfig(group_size=2, page_tokens=128, **BLOCKS)
@@ -185,7 +182,7 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
         # and the block's input (on CPU a view of the host residual stream; a device copy on GPU).
         outside = 8 * (prompt_len - 1) + BLOCKS["token_block"] * cfg.hidden_size * 4
         for kind in LAYER_KINDS[family]:
-            items = plan.phases[f"capture ({kind}{'' if kind == 'MLP' else ' layer'})"]
+            items = plan.phases[f"capture ({kind} layer)"]
             assert family != "qwen36" or all(i.measured for i in items), kind
             planned = planner.phase_bytes(items) - outside
             ratio = own[kind] / planned

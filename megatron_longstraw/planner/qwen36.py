@@ -340,16 +340,17 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
 
     capture_attention = residual + prefixed("capture (token block)", attention_block(tb))
     gdn_item = (Item("capture GDN token block: in_proj, conv, the rule's inputs and the torch "
-                     "chunked rule's working set + the carried state", gdn_torch_block(tb) + fixed)
+                     "chunked rule's working set + the carried state", gdn_torch_block(tb) + fixed,
+                     group="gdn")
                 if spec.gdn_kernels == "torch" else
                 Item("GDN token block scratch (in_proj, conv, gated norm, FLA chunk kernel incl. "
-                     "per-chunk states) + the carried state (FLA: analytic)", gdn_block(tb) + fixed))
+                     "per-chunk states) + the carried state (FLA: analytic)", gdn_block(tb) + fixed,
+                     group="gdn"))
     capture_gdn = residual + [gdn_item]
     if cp > 1:
         # gdn.capture_exchange: a global token block's rows may all be one rank's (the load-
         # balanced shards are chunks of P / 2CP), so in_proj's output is up to [tb, in_proj_dim];
-        # the exchange's buffers are freed before the rule runs (a moment of their own).
-        gdn_item.group = "gdn"
+        # the exchange's buffers are freed before the rule runs (a moment of their own: the group).
         capture_gdn.append(Item("capture GDN exchange of one global token block (CP): in_proj "
                                 "rows [tb, in_proj_dim] x4 (output, padded, sent, received)",
                                 4 * tb * in_proj * b, group="gdn"))
@@ -431,6 +432,6 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                      "grow with R, not R / CP.")
     return Footprint(params=qwen36_params(cfg), pages=pages,
                      phases={"capture (attention layer)": capture_attention,
-                             "capture (GDN layer)": capture_gdn, "capture (MLP)": capture_mlp,
+                             "capture (GDN layer)": capture_gdn, "capture (MLP layer)": capture_mlp,
                              "scoring": scoring, "replay": replay},
                      replay_saved=saved, notes=notes, host=capture_host)
