@@ -8,16 +8,16 @@
         --save ckpt --save-interval 10 --tensorboard-dir tb
 
 Megatron's model and parallel flags are parsed by megatron.training's own parser; the
-`--longstraw-*` flags come from one extra_args_provider (megatron_longstraw.arguments). To add the
+`--longstraw-*` flags come from one extra_args_provider (megatron_longstraw.training.arguments). To add the
 same switch to Megatron-LM's own pretrain_gpt.py, apply patches/megatron-lm-pretrain_gpt-longstraw.patch (re-base it on your Megatron-LM
 checkout: see its header).
 
 A user error (a bad flag, config value or data line, a missing input, a checkpoint that does not
-fit: megatron_longstraw/errors.py) ends the run with one line naming the cause and where, printed
+fit: megatron_longstraw/runtime/errors.py) ends the run with one line naming the cause and where, printed
 once by rank 0, and exit code 2; anything else is a bug and keeps its traceback.
 """
 
-from megatron_longstraw.train import cli
+from megatron_longstraw.training.train import cli
 
 if __name__ == "__main__":
     cli()

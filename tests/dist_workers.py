@@ -10,7 +10,7 @@ from helpers import build_tiny_glm, build_tiny_qwen
 
 
 def _group(cfg, prompt_len, lens, seed):
-    from megatron_longstraw.schedule import GRPOGroup
+    from megatron_longstraw.training.schedule import GRPOGroup
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen)
@@ -24,7 +24,7 @@ def groups_for(cfg, num_groups, prompt_len=200, lens=(1, 6, 17)):
 
 
 def longstraw_cfg(group_size):
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
                            max_response_len=64, clip_eps_high=0.28)
@@ -32,9 +32,9 @@ def longstraw_cfg(group_size):
 
 def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
     """One optimizer step over this rank's groups; returns (logps, grads, params, selections)."""
-    from megatron_longstraw.finalize import finalize_longstraw_grads, grad_norm
-    from megatron_longstraw.parallel import global_name
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
+    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     optimizer.zero_grad(set_to_none=True)
@@ -57,7 +57,7 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
 def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -83,7 +83,7 @@ def layouts_worker(rank, layouts, state_path, num_groups_total):
 
 def failing_capture_worker(rank, cp, failing_rank):
     """Rank `failing_rank` raises in the middle of capture; the others must not hang."""
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=cp, timeout_s=120,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -94,15 +94,15 @@ def failing_capture_worker(rank, cp, failing_rank):
             raise RuntimeError(f"injected failure on rank {rank} in capture")
         layer.register_forward_pre_hook(boom)
     group = groups_for(cfg, 1)[0]
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
     forward_backward_longstraw(model, group, longstraw_cfg(3))
     return "finished"
 
 
 def mismatch_worker(rank, what):
     """Ranks disagree on the group: detected before any work."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -123,9 +123,9 @@ def stock_finalize_worker(rank, state_path):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_longstraw import parallel
-    from megatron_longstraw.finalize import finalize_longstraw_grads, is_expert_param
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, is_expert_param
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -160,8 +160,8 @@ def stock_finalize_worker(rank, state_path):
 
 def short_prompt_worker(rank, state_path, prompt_len):
     """CP2/EP2 scoring of a prompt whose shards hold fewer keys than the DSA top-k."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -184,8 +184,8 @@ def _plain_forward(model) -> str:
 def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
     """Qwen3.6 on CP ranks: one optimizer step (twice from the same weights with repeat=2), and the
     GDN pages this rank captured for the group's prompt."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.context.capture import capture_prompt
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=1,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -207,7 +207,7 @@ def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
 def _case_model(family, cp, ep, state_path):
     """A case's tiny fp64 model on CP (x EP) ranks, with the test's weights (this rank's experts).
     -> (config, model, number of routed experts)"""
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -225,11 +225,11 @@ def exact_gradient_worker(rank, cases, lens):
     """Groups with the exact prompt gradient on CP (x EP) ranks, one case after the other in the
     same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
     gradients by global name (fp64), for the test to compare with full-sequence autograd."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.finalize import finalize_longstraw_grads
-    from megatron_longstraw.parallel import global_name
-    from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
+    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
@@ -253,10 +253,10 @@ def decode_worker(rank, cases):
     """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
     prompt length)): every case's (token ids, log-probs) per member, for the test to compare
     with one process."""
-    from megatron_longstraw import parallel
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.decode import SamplingParams, generate
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.rollout.decode import SamplingParams, generate
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
@@ -277,9 +277,9 @@ def streamed_capture_worker(rank, cases, blocks):
     inputs (every page, layer input and selection); at every later length, the streamed and the
     whole capture's device and host peaks (live-bytes meter, host storage left out) and page
     bytes."""
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.memory import LiveBytesMeter
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
 
     def capture(model, ids, mode, exact):
         ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=64, **blocks)
@@ -326,7 +326,7 @@ def collective_frees_worker(rank, repeats):
     0 (a free they did not see) and whether the results were right."""
     import torch.distributed as dist
 
-    from megatron_longstraw.memory import LiveBytesMeter
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
 
     dist.init_process_group("gloo", init_method=os.environ["LONGSTRAW_TEST_INIT"], rank=rank,
                             world_size=2)
@@ -370,10 +370,10 @@ def phase_peaks_worker(rank, cases, blocks):
     path, prompt lengths)), two members of 16 tokens, the pages copied on every read as to a
     device (`PageStore.device_copies`): each phase's own peak (live-bytes meter, host storage
     left out) per length, after a warm-up step."""
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.memory import LiveBytesMeter
-    from megatron_longstraw.pages import PageStore
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
+    from megatron_longstraw.state.pages import PageStore
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     def peaks(model, cfg, prompt_len):
         group = _group(cfg, prompt_len, (16, 16), seed=prompt_len)

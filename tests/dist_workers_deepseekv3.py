@@ -15,8 +15,8 @@ def layout_worker(rank, cp, ep, state_path, prompt_len, lens, repeat=1):
     (twice with repeat=2), and this rank's captured latent pages with their global positions."""
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw import parallel
-    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.context.capture import capture_prompt
     from dist_workers import longstraw_cfg
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,

@@ -24,8 +24,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # (about 6 s of imports a process otherwise: minutes over the suite on two cores). The server
 # imports only; no parallel state, thread pool or RNG is set up before a rank forks, so each rank
 # starts as a spawned one would, and `_worker` sets its environment first.
-PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.parallel",
-           "megatron_longstraw.schedule", "megatron_longstraw.capture",
+PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.distributed.parallel",
+           "megatron_longstraw.training.schedule", "megatron_longstraw.context.capture",
            "megatron_longstraw.models.glm52.model", "megatron_longstraw.models.qwen36.model",
            "dist_workers"]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_longstraw import precision
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
-from megatron_longstraw.platform import manual_seed
+from megatron_longstraw.runtime.platform import manual_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GLM = ROOT / "examples" / "glm52" / "tiny.yaml"
@@ -67,7 +67,7 @@ def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[di
     """Pre-step scoring of every member over `captured` against a plain full-sequence forward of
     [prompt; response] (no autograd): (max |d logp| over all members and tokens, the selections
     each member's scoring returned)."""
-    from megatron_longstraw.replay import score_member
+    from megatron_longstraw.training.replay import score_member
 
     worst, selections = 0.0, []
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""LoRA / QLoRA adapters (megatron_longstraw/adapters.py) on the tiny GLM-5.2 (float32): NF4 error
+"""LoRA / QLoRA adapters (megatron_longstraw/adapters/lora.py) on the tiny GLM-5.2 (float32): NF4 error
 bound, exact start, gradients and updates confined to the adapters in a LongStraw step, adapter
 save/load, disabled adapters = base model, parameter and byte counts."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm
-from megatron_longstraw.adapters import (
+from megatron_longstraw.adapters.lora import (
     LoRAConfig,
     LoRALinear,
     adapter_state_dict,
@@ -24,11 +24,11 @@ from megatron_longstraw.adapters import (
     trainable_parameters,
     unmerge_adapters,
 )
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.data import synthetic_group
-from megatron_longstraw.finalize import is_expert_param
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.data.groups import synthetic_group
+from megatron_longstraw.distributed.finalize import is_expert_param
 from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
-from megatron_longstraw.schedule import train_step
+from megatron_longstraw.training.schedule import train_step
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw import train
-from megatron_longstraw.data import read_groups, synthetic_group, write_groups
+from megatron_longstraw.training import train
+from megatron_longstraw.data.groups import read_groups, synthetic_group, write_groups
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -40,8 +40,8 @@ def _groups(vocab: int, n: int, with_old: bool = False) -> list:
 
 def _build(flags):
     """The launcher's model (family, config, dtype from `flags`) and its LongStrawConfig."""
-    from megatron_longstraw import precision
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.models.registry import get_family
 
     args, given = train.parse(flags)
     family, model_cfg, ls, dtype = train.resolve(args, given)
@@ -51,7 +51,7 @@ def _build(flags):
 
 def _init(tmp_path: Path, flags) -> tuple[Path, dict]:
     """Perturbed initial weights in model format (so no test depends on a seeded init)."""
-    from megatron_longstraw import model_format
+    from megatron_longstraw.checkpointing import model_format
 
     model, _ = _build(flags)
     torch.manual_seed(0)
@@ -76,9 +76,9 @@ def _torchrun(tmp_path: Path, flags: list[str]) -> str:
 def _by_hand(flags, init: Path, groups: list) -> dict:
     """Each group's finalized gradient on its own (loss scale 1), averaged by hand, then one
     torch.optim.AdamW step: the parameters after the update."""
-    from megatron_longstraw import model_format
-    from megatron_longstraw.finalize import finalize_longstraw_grads
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.checkpointing import model_format
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     model, ls = _build(flags)
     model_format.load_model(init, model, family="glm52")
@@ -163,7 +163,7 @@ def _expected_eval(model, groups) -> dict:
 
 
 def test_held_out_scores_equal_full_sequence_log_probs_at_the_interval(tmp_path, monkeypatch, capsys):
-    from megatron_longstraw import evaluate as evaluate_module
+    from megatron_longstraw.training import evaluate as evaluate_module
 
     flags = _flags(tmp_path)
     held_out = _groups(512, 3, with_old=True)
@@ -200,14 +200,14 @@ def test_held_out_scores_equal_full_sequence_log_probs_at_the_interval(tmp_path,
     (["--eval-iters", "4"], "given without held-out data"),
 ])
 def test_batch_and_data_flags_that_do_not_fit_are_refused(tmp_path, flags, message):
-    from megatron_longstraw.errors import FlagError
+    from megatron_longstraw.runtime.errors import FlagError
 
     with pytest.raises(FlagError, match=re.escape(message)):
         train.main(_flags(tmp_path, *flags))
 
 
 def test_a_global_batch_that_does_not_divide_over_the_replicas_is_refused():
-    from megatron_longstraw.errors import FlagError
+    from megatron_longstraw.runtime.errors import FlagError
 
     args, _ = train.parse(["--longstraw", "--global-batch-size", "3"])
     assert train.global_batch_size(args, 1) == 3

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm, build_tiny_qwen
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.memory import LiveBytesMeter
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.runtime.memory import LiveBytesMeter
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -152,7 +152,9 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
     GLM-5.2 and Qwen3.6, at least 75% of it (GLM-5.2's attention layer's selected rows grow with
     P up to query_block x topk distinct rows). Qwen3.6 is planned with the delta rule the CPU
     runs (`gdn_kernels="torch"`). DeepSeek-V3: an upper bound."""
-    from megatron_longstraw import capture, memory, planner
+    from megatron_longstraw.context import capture
+    from megatron_longstraw.runtime import memory
+    from megatron_longstraw import planner
     from megatron_longstraw.models import common
 
     run_layer = common.run_layer

@@ -38,7 +38,7 @@ def test_shard_rows_and_capture_blocks(cp, length):
     lies there; every rank runs as many token blocks (MoE is a collective), contiguous, covering
     its rows, none larger than the token block; one process: blocks of token_block rows."""
     from megatron_longstraw.models.context_parallel import capture_blocks
-    from megatron_longstraw.parallel import CPLayout
+    from megatron_longstraw.distributed.parallel import CPLayout
 
     token_block = 12
     counts = set()
@@ -76,7 +76,7 @@ SHARDS_BY_HAND = {
 def test_shard_ranges_by_hand(length, cp):
     """`CPLayout.shard_ranges` equals the hand-worked ranges (the test above checks the other
     helpers against it), and `prompt_positions` lists their positions."""
-    from megatron_longstraw.parallel import CPLayout
+    from megatron_longstraw.distributed.parallel import CPLayout
 
     for rank, expected in enumerate(SHARDS_BY_HAND[length, cp]):
         layout = CPLayout(None, cp, rank)
@@ -97,8 +97,8 @@ def cp2(tmp_path_factory):
     """Every family captured on 2 ranks (one process each), whole and streamed; and, on one
     process, the streamed capture of the same prompt (fp64)."""
     from test_capture_streamed import _build
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     tmp = tmp_path_factory.mktemp("weights")
     cases = [(family, 2, 1, _weights(tmp, family), (EQUAL_LEN,) + LENGTHS) for family in FAMILIES]

@@ -1,4 +1,4 @@
-"""Training checkpoints (megatron_longstraw/checkpoint.py): resuming equals not stopping, bit for
+"""Training checkpoints (megatron_longstraw/checkpointing/checkpoint.py): resuming equals not stopping, bit for
 bit (fp64, AdamW, the real LongStraw step); a save that crashes half-way leaves the previous
 checkpoint and `latest` intact; CP2/EP2 saves rank-local shards with global expert names and
 resumes exactly; a run with another layout is refused with a clear message."""
@@ -10,8 +10,8 @@ import torch
 
 from distributed import run_ranks
 from helpers import build_tiny_glm
-from megatron_longstraw import checkpoint, model_format
-from megatron_longstraw.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_longstraw.checkpointing import checkpoint, model_format
+from megatron_longstraw.checkpointing.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -20,15 +20,15 @@ OTHER_SEED = 7  # a "fresh" model starts from different weights: loading must ov
 
 
 def _groups(cfg):
-    from megatron_longstraw.data import synthetic_group
+    from megatron_longstraw.data.groups import synthetic_group
 
     return [synthetic_group(cfg.vocab_size, PROMPT_LEN, GROUP_SIZE, RESPONSE_LEN, seed=s)
             for s in (0, 1)]
 
 
 def _train_step(model, optimizer, group):
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.schedule import train_step
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.training.schedule import train_step
 
     cfg = LongStrawConfig(group_size=GROUP_SIZE, max_response_len=2 * RESPONSE_LEN)
     return train_step(model, optimizer, group, cfg, max_grad_norm=1.0)
@@ -39,7 +39,7 @@ def _optimizer(model):
 
 
 def _params(model):
-    from megatron_longstraw.parallel import global_name
+    from megatron_longstraw.distributed.parallel import global_name
 
     n = model.longstraw_config.n_routed_experts
     return {global_name(name, n): p.detach().clone() for name, p in model.named_parameters()}
@@ -114,7 +114,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 def resume_worker(rank, save_dir, model_dir):
     """CP2/EP2: step, save, step (uninterrupted) vs fresh model + load + step (resumed)."""
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -133,10 +133,10 @@ def resume_worker(rank, save_dir, model_dir):
     model_format.save_model(model_dir, fresh)  # collective: gathers every expert
     resumed = _params(fresh)
     # LoRA on every linear, experts included, then merged export: gathers merged experts too.
-    from megatron_longstraw.adapters import LoRAConfig, apply_lora, lora_modules
+    from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, lora_modules
     from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
-    from megatron_longstraw.adapters import merged_state_dict
-    from megatron_longstraw.parallel import global_name
+    from megatron_longstraw.adapters.lora import merged_state_dict
+    from megatron_longstraw.distributed.parallel import global_name
 
     apply_lora(fresh, LoRAConfig(rank=2, targets=GLM52_TARGETS))
     with torch.no_grad():

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from helpers import ROOT
-from megatron_longstraw import fp8, model_format, precision
+from megatron_longstraw.kernels import fp8
+from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
 
@@ -100,7 +102,7 @@ def test_round_trip_is_bitwise_and_keeps_fp8(fp8_checkpoint, tmp_path):
     assert tuple(ours[fp8.scale_name(fc1)].shape) == (4, 2)
 
     # The model loads them as HF defines them: each HF tensor's own blocks.
-    from megatron_longstraw.families import FAMILIES
+    from megatron_longstraw.models.registry import FAMILIES
 
     precision.use_dtype(torch.float32)
     model = FAMILIES["glm52"].build(GLM52Config.from_dict(meta["model"]), torch.float32, 1)

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from helpers import ROOT
-from megatron_longstraw import model_format, precision
+from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
@@ -87,7 +88,7 @@ def converted(hf_checkpoint, tmp_path_factory):
 
 def _our_model(model_dir, family: str = "glm52"):
     """The converted directory loaded into this package's model of `family` (fp64)."""
-    from megatron_longstraw.families import FAMILIES
+    from megatron_longstraw.models.registry import FAMILIES
 
     meta, _ = model_format.read_model(model_dir)
     spec = FAMILIES[family]
@@ -118,10 +119,10 @@ def test_format_is_the_single_process_state_dict(converted):
 def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -> None:
     """Our converted model against the transformers model it came from (fp64): the full-sequence
     log-softmax over every position, and capture + replay of a response after a prompt."""
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.replay import score_member
-    from megatron_longstraw.state import AttentionPass, attention_pass
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab_size, (PROMPT_LEN + RESPONSE_LEN,), generator=gen)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_longstraw import schedule, train
-from megatron_longstraw.data import DataError, read_groups, synthetic_jsonl, write_groups
-from megatron_longstraw.dataset import GroupDataset, GroupSampler, epoch_order
-from megatron_longstraw.grpo import GRPOGroup
+from megatron_longstraw.training import schedule, train
+from megatron_longstraw.data.groups import DataError, read_groups, synthetic_jsonl, write_groups
+from megatron_longstraw.data.dataset import GroupDataset, GroupSampler, epoch_order
+from megatron_longstraw.grpo.loss import GRPOGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -108,9 +108,9 @@ def test_dataset_checks_every_line_up_front_and_prompt_ids_when_read(tmp_path):
 
 _RSS_SCRIPT = r"""
 import json, sys
-from megatron_longstraw.data import read_groups
-from megatron_longstraw.dataset import GroupDataset
-from megatron_longstraw.memory import current_rss_bytes
+from megatron_longstraw.data.groups import read_groups
+from megatron_longstraw.data.dataset import GroupDataset
+from megatron_longstraw.runtime.memory import current_rss_bytes
 path, mode = sys.argv[1], sys.argv[2]
 base = current_rss_bytes()            # after the imports: their own transients do not count
 peak, total = 0, 0

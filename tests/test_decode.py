@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm, build_tiny_qwen
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.decode import SamplingParams, _sampling_logprobs, generate
-from megatron_longstraw.replay import score_member
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.rollout.decode import SamplingParams, _sampling_logprobs, generate
+from megatron_longstraw.training.replay import score_member
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -22,10 +22,10 @@ import torch
 
 import hf_fp64
 from helpers import ROOT, full_sequence_logprobs, scoring_vs_full_sequence
-from megatron_longstraw import precision
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
+from megatron_longstraw.runtime import precision
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.deepseekv3.config import DeepseekV3Config
 from megatron_longstraw.models.deepseekv3.hf import (
@@ -34,10 +34,10 @@ from megatron_longstraw.models.deepseekv3.hf import (
     hf_config,
     to_hf_state_dict,
 )
-from megatron_longstraw.platform import manual_seed
-from megatron_longstraw.replay import score_member
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.runtime.platform import manual_seed
+from megatron_longstraw.training.replay import score_member
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state
 

@@ -13,7 +13,7 @@ import torch
 import dist_workers
 import dist_workers_deepseekv3
 from distributed import run_ranks
-from megatron_longstraw.capture import capture_prompt
+from megatron_longstraw.context.capture import capture_prompt
 from test_deepseekv3 import build_tiny_deepseekv3
 
 pytestmark = pytest.mark.usefixtures("single_process")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import ROOT
-from megatron_longstraw import model_format
+from megatron_longstraw.checkpointing import model_format
 from megatron_longstraw.models.deepseekv3.hf import hf_config
 from test_deepseekv3 import TOL, tiny_config, upcast_reference
 
@@ -86,11 +86,11 @@ def _ids():
 def test_converted_model_matches_transformers(hf_checkpoint, converted, monkeypatch):
     """The model format holds the single-process state dict; loaded into our model, capture +
     replay and a full forward equal transformers' log-probs (fp64)."""
-    from megatron_longstraw import precision
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.families import get_family
-    from megatron_longstraw.replay import score_member
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.models.registry import get_family
+    from megatron_longstraw.training.replay import score_member
 
     meta, tensors = model_format.read_model(converted)
     assert (meta["family"], meta["dtype"]) == ("deepseekv3", "float64")
@@ -211,7 +211,7 @@ def test_launcher_runs_one_step(tmp_path):
 def test_slurm_script_parses_and_resolves():
     """examples/deepseekv3/deepseekv3_32xH20.slurm: valid bash, CP32/EP32, LoRA over the full-size
     config (the planner's layout)."""
-    from megatron_longstraw import train
+    from megatron_longstraw.training import train
     from test_launch import _slurm_command
 
     path = ROOT / "examples" / "deepseekv3" / "deepseekv3_32xH20.slurm"

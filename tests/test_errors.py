@@ -1,4 +1,4 @@
-"""User errors (megatron_longstraw/errors.py) through the launcher: one line naming the cause and
+"""User errors (megatron_longstraw/runtime/errors.py) through the launcher: one line naming the cause and
 where, exit code 2, no traceback, printed once (by rank 0) under torchrun; other exceptions keep
 their traceback; informational logging comes from rank 0 only (metrics.configure_logging)."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw import errors, train
-from megatron_longstraw.metrics import configure_logging
+from megatron_longstraw.runtime import errors
+from megatron_longstraw.training import train
+from megatron_longstraw.training.metrics import configure_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -98,7 +99,7 @@ def test_checkpoint_that_does_not_fit_under_torchrun(tmp_path):
     of another model config is refused once, by rank 0; the kernel selection is logged once."""
     from helpers import build_tiny_glm
 
-    from megatron_longstraw import model_format
+    from megatron_longstraw.checkpointing import model_format
 
     _, model = build_tiny_glm(torch.float32, hidden_size=96)
     model_format.save_model(tmp_path / "init", model, family="glm52")
@@ -164,7 +165,7 @@ def test_bugs_keep_their_traceback(monkeypatch):
 
 
 def test_user_error_types():
-    from megatron_longstraw.data import DataError
+    from megatron_longstraw.data.groups import DataError
 
     for exc in (DataError("f.jsonl", 3, "rewards", "x"), errors.ConfigError("x"),
                 errors.InputNotFound("x"), errors.CheckpointError("x"), errors.FlagError("x")):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -74,7 +74,7 @@ def test_exact_mode_equals_full_sequence_autograd_for_every_parameter(family, pr
 def test_exact_mode_with_lora_adapters_equals_full_sequence_autograd():
     """LoRA on GLM-5.2's attention and MLP linears (B perturbed from its zero init so both A and B
     get gradients; no dropout): the adapters' exact gradients equal full-sequence autograd."""
-    from megatron_longstraw.adapters import LoRAConfig, apply_lora
+    from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora
     from megatron_longstraw.models.glm52.family import LORA_TARGETS
 
     cfg, model = _build("glm52")
@@ -129,8 +129,8 @@ def test_an_unknown_prompt_gradient_mode_is_refused():
 def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path):
     from pathlib import Path
 
-    from megatron_longstraw import train
-    from megatron_longstraw.errors import ConfigError
+    from megatron_longstraw.training import train
+    from megatron_longstraw.runtime.errors import ConfigError
 
     tiny = str(Path(__file__).resolve().parents[1] / "examples" / "glm52" / "tiny.yaml")
     flags = ["--longstraw", "--longstraw-config", tiny, "--longstraw-synthetic-prompt-len", "64",

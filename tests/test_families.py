@@ -1,4 +1,4 @@
-"""The family registry (megatron_longstraw/families.py): every record is complete and agrees with
+"""The family registry (megatron_longstraw/models/registry.py): every record is complete and agrees with
 its own config, examples, planner and the entry points' choices."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 
 from helpers import ROOT
-from megatron_longstraw import adapters, arguments, planner
-from megatron_longstraw.families import FAMILIES, check_parallel_sizes, get_family
+from megatron_longstraw.adapters import lora as adapters
+from megatron_longstraw.training import arguments
+from megatron_longstraw import planner
+from megatron_longstraw.models.registry import FAMILIES, check_parallel_sizes, get_family
 from megatron_longstraw.models import qwen36
 from megatron_longstraw.models.common import MIXERS
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "megatron_longstraw"
-GROUND = ("platform", "precision", "parallel", "pages", "models.norms", "kernels")
+GROUND = ("runtime.platform", "runtime.precision", "distributed.parallel", "state.pages",
+          "runtime.norms", "kernels")
 # Every model family is a folder of models/ with a family.py (the registry's records).
 FAMILIES = tuple(f"models.{p.parent.name}" for p in PKG.glob("models/*/family.py"))
-ABOVE = FAMILIES + ("schedule", "train", "capture", "replay", "families", "models.mixer",
-                    "models.context_parallel", "models.mla")
+ABOVE = FAMILIES + ("training.schedule", "training.train", "context.capture", "training.replay",
+                    "models.registry", "models.mixer", "models.context_parallel", "models.mla")
 
 
 def _modules() -> dict[str, Path]:
@@ -66,10 +67,10 @@ def test_ground_floor_imports_nothing_above_it():
     assert {"models.glm52", "models.qwen36"} <= set(FAMILIES)
     graph = {m: _imports(p, top_level_only=False) - {m} for m, p in MODULES.items()}
     ground = [m for m in MODULES if _is(m, GROUND)]
-    assert "platform" in ground and "kernels.refs" in ground
+    assert "runtime.platform" in ground and "kernels.refs" in ground
     upward = {m: sorted(d for d in _reach(graph, m) if _is(d, ABOVE)) for m in ground}
     assert not {m: u for m, u in upward.items() if u}
-    assert "schedule" not in _reach(graph, "data")
+    assert "training.schedule" not in _reach(graph, "data.groups")
 
 
 def test_no_module_level_import_cycle():

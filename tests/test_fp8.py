@@ -1,4 +1,4 @@
-"""FP8 block-quantised weights (megatron_longstraw/fp8.py) and the `fp8_gemm` kernel part: the
+"""FP8 block-quantised weights (megatron_longstraw/kernels/fp8.py) and the `fp8_gemm` kernel part: the
 round trip within the e4m3 bound, the stacked grids of fused rows, the reference GEMM against the
 dequantised weight (exact) and against the unquantised weight (within the quantisation bound),
 its backward, the checks that name a misfit tensor, the kernel selector, and DeepGEMM's wrapper
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from megatron_longstraw import fp8
+from megatron_longstraw.kernels import fp8
 from megatron_longstraw.kernels import deepgemm, select
 from megatron_longstraw.kernels.packages import MissingKernelPackage
 

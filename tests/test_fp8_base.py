@@ -1,4 +1,4 @@
-"""The FP8 frozen base (megatron_longstraw/fp8_base.py, `--longstraw-fp8-base`) on the tiny GLM-5.2:
+"""The FP8 frozen base (megatron_longstraw/adapters/fp8_base.py, `--longstraw-fp8-base`) on the tiny GLM-5.2:
 its forward equals the model holding the dequantised weights (bitwise, fp32 and fp64), a LongStraw
 step changes only the adapters (FP8 bytes and every base tensor bitwise unchanged, the experts in
 FP8 without adapters), a model-format directory with FP8 weights loads dequantised or kept as
@@ -14,17 +14,19 @@ import pytest
 import torch
 
 from helpers import TINY_GLM, build_tiny_glm
-from megatron_longstraw import fp8, model_format, train
-from megatron_longstraw.adapters import LoRAConfig, apply_lora, lora_modules, reference_view
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.data import synthetic_group
-from megatron_longstraw.fp8_base import (
+from megatron_longstraw.kernels import fp8
+from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.training import train
+from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, lora_modules, reference_view
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.data.groups import synthetic_group
+from megatron_longstraw.adapters.fp8_base import (
     FP8Linear, apply_fp8_base, fp8_base_bytes, fp8_modules, matches,
 )
 from megatron_longstraw.models.glm52.family import FP8_LINEARS
 from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 from megatron_longstraw.planner import PlanSpec, base_weight_bytes, glm52_params
-from megatron_longstraw.schedule import train_step
+from megatron_longstraw.training.schedule import train_step
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

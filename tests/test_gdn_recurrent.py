@@ -8,7 +8,7 @@ import torch
 from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 
 from megatron_longstraw.kernels.refs import recurrent_gated_delta_rule
-from megatron_longstraw.precision import chunk_gated_delta_rule_fp64
+from megatron_longstraw.runtime.precision import chunk_gated_delta_rule_fp64
 
 
 def _inputs(dtype, tokens, carried, seed=0):

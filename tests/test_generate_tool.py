@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_longstraw.rewards import make_marker_task
+from megatron_longstraw.rollout.rewards import make_marker_task
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -19,8 +19,8 @@ TINY = str(ROOT / "examples" / "qwen36" / "tiny.yaml")
 def test_generated_groups_score_to_their_own_logprobs_and_train(tmp_path):
     import generate
     import score
-    from megatron_longstraw import train
-    from megatron_longstraw.data import read_records
+    from megatron_longstraw.training import train
+    from megatron_longstraw.data.groups import read_records
 
     prompts = tmp_path / "prompts.jsonl"
     make_marker_task(2, 40, [5, 6, 7], 64, seed=1, majority_count=4, path=prompts)

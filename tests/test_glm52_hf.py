@@ -19,7 +19,7 @@ import torch
 
 import hf_fp64
 
-from megatron_longstraw import precision
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import (
     from_hf_state_dict,
@@ -27,8 +27,8 @@ from megatron_longstraw.models.glm52.hf import (
     hf_config,
     to_hf_state_dict,
 )
-from megatron_longstraw.platform import manual_seed
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.runtime.platform import manual_seed
+from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
 F64 = torch.float64
 TOL = 1e-9

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm, full_sequence_logprobs, scoring_vs_full_sequence
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
-from megatron_longstraw.replay import score_member
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.training.replay import score_member
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -78,7 +78,7 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
 
     # Replay reuses the scoring selections (indexer replay): the layers attend with them.
     used: dict = {}
-    from megatron_longstraw import replay as replay_mod
+    from megatron_longstraw.training import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
     state = replay_mod._pass(captured, branch, ls, selections=scored)
     state.used_selections = used
@@ -185,7 +185,7 @@ def test_bad_input_rejected_before_any_work(monkeypatch, mutate, needle):
     def no_capture(*a, **k):
         raise AssertionError("work started before validation")
 
-    monkeypatch.setattr("megatron_longstraw.schedule.capture_prompt", no_capture)
+    monkeypatch.setattr("megatron_longstraw.training.schedule.capture_prompt", no_capture)
     with pytest.raises(ValueError, match=needle):
         forward_backward_longstraw(model, group, _small_blocks())
 
@@ -208,7 +208,7 @@ def test_prompt_state_gradients_on_request():
     ls = _small_blocks()
     captured = capture_prompt(model, group.prompt_ids, ls)
     response = group.response_ids[0]
-    from megatron_longstraw import replay as replay_mod
+    from megatron_longstraw.training import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
     state = replay_mod._pass(captured, branch, ls, selections=None)
     state.prompt_state_grad = True

@@ -1,4 +1,4 @@
-"""Tests for megatron_longstraw.grpo. Expected values are worked by hand in comments.
+"""Tests for megatron_longstraw.grpo.loss. Expected values are worked by hand in comments.
 
 Float64 throughout; tolerance 1e-12 (hand values involve exp(log(x)) round trips,
 which are exact to ~1e-16, so 1e-12 is generous yet far below any real error).
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_longstraw.grpo import (
+from megatron_longstraw.grpo.loss import (
     GRPOLossConfig,
     group_advantages,
     grpo_loss,
@@ -272,10 +272,10 @@ def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
     import yaml
 
     from helpers import TINY_GLM, build_tiny_glm
-    from megatron_longstraw import train
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.grpo import GRPOGroup
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training import train
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.grpo.loss import GRPOGroup
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)
     gen = torch.Generator().manual_seed(3)

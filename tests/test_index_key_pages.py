@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from helpers import ROOT, TINY_GLM, build_tiny_glm
-from megatron_longstraw import arguments, fp8, planner
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.decode import SamplingParams, generate
+from megatron_longstraw.training import arguments
+from megatron_longstraw.kernels import fp8
+from megatron_longstraw import planner
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.rollout.decode import SamplingParams, generate
 from megatron_longstraw.models.glm52.attention import INDEX_KEY
 from megatron_longstraw.models.mla import LATENT
-from megatron_longstraw.pages import PageStore
-from megatron_longstraw.replay import score_member
+from megatron_longstraw.state.pages import PageStore
+from megatron_longstraw.training.replay import score_member
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -427,7 +427,7 @@ def test_malformed_specs_are_rejected(spec):
 
 
 def test_cli_choices_accept_backends_and_part_specs():
-    from megatron_longstraw.arguments import KERNELS
+    from megatron_longstraw.training.arguments import KERNELS
 
     assert {"auto", "ref", "flashmla", "triton", "deepgemm", "deepep", "te", "apex"} <= set(KERNELS)
     assert "sparse_mla=triton,indexer=ref" in KERNELS

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw import train
+from megatron_longstraw.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -113,7 +113,7 @@ def test_help_prints_every_flag(capsys):
 
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_longstraw.arguments import escape_help_percents
+    from megatron_longstraw.training.arguments import escape_help_percents
 
     plain = add_megatron_arguments(argparse.ArgumentParser())
     assert "--moe-paged-stash-buffer-size-factor-cuda" in escape_help_percents(plain)
@@ -226,7 +226,7 @@ def _qwen36_model_format(folder: Path) -> dict:
     """A model-format directory (what tools/convert_hf.py writes) of the tiny Qwen3.6 with random
     weights unlike the launcher's seeded initialisation; returns its tensors. Needs the
     single_process fixture."""
-    from megatron_longstraw import model_format
+    from megatron_longstraw.checkpointing import model_format
     from megatron_longstraw.models.qwen36.config import Qwen36Config
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
 
@@ -268,7 +268,7 @@ def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
     rank_state = torch.load(saved / "rank_00000.pt", weights_only=False)
     assert rank_state["extra"]["family"] == "qwen36"
     # lr 0: the step saved exactly the weights it started from, i.e. the model-format ones.
-    from megatron_longstraw.model_format import SafetensorsReader
+    from megatron_longstraw.checkpointing.model_format import SafetensorsReader
 
     trained = SafetensorsReader([saved / "model.safetensors"])
     assert set(trained) == set(weights)
@@ -293,7 +293,7 @@ def _compare_tool():
 
 def _receipt(folder: Path, prompt_len: int, gdn_state: int = 73728, family: str = "qwen36") -> Path:
     """A launcher-style receipt of a Qwen3.6 run: fixed GDN kinds, K/V growing with P - 1."""
-    from megatron_longstraw.receipts import page_bytes_summary
+    from megatron_longstraw.training.receipts import page_bytes_summary
 
     key = (prompt_len - 1) * 512
     pages = page_bytes_summary([{"gdn_state": gdn_state, "conv_tail": 23040, "key": key,

@@ -1,4 +1,4 @@
-"""LoRA / QLoRA through the launcher (megatron_longstraw/train.py, in-process, one gloo process):
+"""LoRA / QLoRA through the launcher (megatron_longstraw/training/train.py, in-process, one gloo process):
 flags and YAML keys resolve and bad values are refused with their flag's name; a tiny Qwen3.6 QLoRA
 run with a KL penalty changes only the adapters (base parameters and NF4 bytes bitwise equal), saves
 adapter-only checkpoints that resume bit for bit and refuse another base or other adapters, records
@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from megatron_longstraw import train
-from megatron_longstraw.adapters import (
+from megatron_longstraw.training import train
+from megatron_longstraw.adapters.lora import (
     lora_modules,
     lora_parameter_count,
     nf4_nbytes,
@@ -145,7 +145,7 @@ def _qwen_linear_shapes():
 def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
     """Two steps of QLoRA with a KL penalty, a checkpoint per step, merged export; then a resume
     that continues from the adapters it saved; then resumes that must be refused."""
-    from megatron_longstraw import model_format
+    from megatron_longstraw.checkpointing import model_format
 
     ckpt, merged = tmp_path / "ckpt", tmp_path / "merged"
     flags = ["--longstraw-qlora", "--longstraw-lora-rank", str(RANK), "--longstraw-kl-coef",
@@ -232,7 +232,7 @@ def test_qwen36_qlora_run_checkpoint_resume_and_export(tmp_path, runs, capsys):
 def test_glm52_lora_step_without_expert_adapters(tmp_path, runs):
     """GLM-5.2 (MLA + DSA + MoE), plain LoRA from a model-format directory, experts excluded:
     one step changes the adapters only, and the checkpoint records the base's directory."""
-    from megatron_longstraw import model_format
+    from megatron_longstraw.checkpointing import model_format
     from megatron_longstraw.models.glm52.config import GLM52Config
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
@@ -273,7 +273,7 @@ def test_glm52_lora_step_without_expert_adapters(tmp_path, runs):
 def test_step_config_from_a_yaml_with_adapter_keys(tmp_path):
     """Tools that read only the step settings (bench, plan_memory, the Python API) accept a
     training YAML that also carries the launcher's LoRA keys; a misspelt key still fails."""
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     path = tmp_path / "run.yaml"
     path.write_text("longstraw:\n  group_size: 3\n  qlora: true\n  lora_rank: 19\n")

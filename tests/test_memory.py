@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_longstraw.memory import LiveBytesMeter, PhasePeak, SavedTensorMeter
+from megatron_longstraw.runtime.memory import LiveBytesMeter, PhasePeak, SavedTensorMeter
 
 
 def test_meter_counts_saved_bytes_and_releases_them():

@@ -1,4 +1,4 @@
-"""NF4 storage (megatron_longstraw/nf4.py) on every bitsandbytes CPU path: the round trip is within
+"""NF4 storage (megatron_longstraw/kernels/nf4.py) on every bitsandbytes CPU path: the round trip is within
 NF4's blockwise bound for weights whose last dimension is and is not a multiple of 64 and for odd
 shapes, on bitsandbytes' native AVX-512 kernel where this CPU has it and on the generic path
 always; the guard names the weight when a broken layout comes back; a QLoRA forward equals the
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm
-from megatron_longstraw import nf4
-from megatron_longstraw.adapters import LoRAConfig, apply_lora, lora_modules
+from megatron_longstraw.kernels import nf4
+from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, lora_modules
 from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")

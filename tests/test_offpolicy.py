@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss, member_loss
-from megatron_longstraw.offpolicy import importance_weights, mismatch_stats
-from megatron_longstraw.schedule import merge_stats
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss, member_loss
+from megatron_longstraw.grpo.offpolicy import importance_weights, mismatch_stats
+from megatron_longstraw.training.schedule import merge_stats
 
 TOL = 1e-12
 F64 = torch.float64
@@ -135,8 +135,8 @@ def test_flags_and_yaml(tmp_path) -> None:
     import yaml
 
     from helpers import TINY_GLM
-    from megatron_longstraw import train
-    from megatron_longstraw.errors import FlagError
+    from megatron_longstraw.training import train
+    from megatron_longstraw.runtime.errors import FlagError
 
     args, given = train.parse(["--longstraw", "--longstraw-config", str(TINY_GLM)])
     ls = train.resolve(args, given)[2]
@@ -161,7 +161,7 @@ def test_flags_and_yaml(tmp_path) -> None:
 def test_step_line_shows_the_mismatch_only_when_present(capsys) -> None:
     from types import SimpleNamespace
 
-    from megatron_longstraw.metrics import StepLogger
+    from megatron_longstraw.training.metrics import StepLogger
 
     stats = {"reward_mean": 0.5, "reward_std": 0.5, "clip_frac": 0.0, "ratio_mean": 1.0,
              "kl": 0.0, "grad_norm": 1.0}
@@ -182,8 +182,8 @@ def test_step_line_shows_the_mismatch_only_when_present(capsys) -> None:
 def tiny_step(single_process):
     """A tiny fp64 GLM-5.2, a group of three, and the trainer's pre-step log-probs of it."""
     from helpers import build_tiny_glm
-    from megatron_longstraw.grpo import GRPOGroup
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.grpo.loss import GRPOGroup
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)
     gen = torch.Generator().manual_seed(7)
@@ -196,7 +196,7 @@ def tiny_step(single_process):
 
 
 def _gradient(model, group, ls):
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     model.zero_grad(set_to_none=True)
     result = forward_backward_longstraw(model, group, ls)
@@ -205,7 +205,7 @@ def _gradient(model, group, ls):
 
 
 def _with_engine(group, engine):
-    from megatron_longstraw.grpo import GRPOGroup
+    from megatron_longstraw.grpo.loss import GRPOGroup
 
     return GRPOGroup(group.prompt_ids, group.response_ids, group.rewards, logps_old=engine)
 

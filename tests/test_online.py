@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw import train
-from megatron_longstraw.rewards import make_marker_task
+from megatron_longstraw.training import train
+from megatron_longstraw.rollout.rewards import make_marker_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "qwen36" / "tiny.yaml")
@@ -68,11 +68,11 @@ def test_online_resume_equals_the_uninterrupted_run_and_trains_on_its_own_sample
 
 @pytest.mark.usefixtures("single_process")
 def test_the_control_zeroes_the_captured_state(tmp_path):
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.data import parse_line
-    from megatron_longstraw.rollout import rollout_group
-    from megatron_longstraw.rewards import marker_majority
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.data.groups import parse_line
+    from megatron_longstraw.rollout.online import rollout_group
+    from megatron_longstraw.rollout.rewards import marker_majority
 
     import helpers
 
@@ -96,14 +96,14 @@ def test_the_control_zeroes_the_captured_state(tmp_path):
     (["--longstraw-max-new-tokens", "999"], "max_response_len"),
     (["--longstraw-temperature", "-1"], "temperature")])
 def test_bad_online_settings_are_refused_at_start(tmp_path, extra, message):
-    from megatron_longstraw.errors import UserError
+    from megatron_longstraw.runtime.errors import UserError
 
     with pytest.raises(UserError, match=message):
         train.main(_flags(tmp_path, "bad", "--train-iters", "1", *extra))
 
 
 def test_online_needs_a_reward_and_prompt_lines(tmp_path):
-    from megatron_longstraw.errors import UserError
+    from megatron_longstraw.runtime.errors import UserError
 
     flags = _flags(tmp_path, "bad", "--train-iters", "1")
     i = flags.index("--longstraw-reward")
@@ -118,8 +118,8 @@ def test_online_needs_a_reward_and_prompt_lines(tmp_path):
 
 
 def test_a_failing_reward_stops_before_any_update(tmp_path, monkeypatch):
-    from megatron_longstraw import schedule
-    from megatron_longstraw.rewards import RewardError
+    from megatron_longstraw.training import schedule
+    from megatron_longstraw.rollout.rewards import RewardError
 
     module = tmp_path / "bad_reward.py"
     module.write_text("def reward(prompt, response, text, meta):\n    return float('nan')\n")
@@ -140,8 +140,9 @@ def test_online_under_cp2_ep2_equals_one_process(tmp_path, monkeypatch):
     that varies with the sampled token) and loss, and decode equals scoring."""
     import subprocess
 
-    from megatron_longstraw import model_format, precision
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.checkpointing import model_format
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.models.registry import get_family
 
     glm = str(ROOT / "examples" / "glm52" / "tiny.yaml")
     (tmp_path / "token_reward.py").write_text(

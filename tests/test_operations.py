@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw import schedule, train
+from megatron_longstraw.training import schedule, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -88,7 +88,7 @@ def test_lr_schedule_follows_megatron_and_survives_resume(tmp_path, steps):
     assert _flat(seen) == pytest.approx(_flat(reference), rel=1e-12, abs=1e-15)
 
     # Another schedule on resume is refused unless a flag says which one wins.
-    from megatron_longstraw.errors import CheckpointError
+    from megatron_longstraw.runtime.errors import CheckpointError
 
     changed = [f if f != "1e-3" else "2e-3" for f in SCHEDULE]
     with pytest.raises(CheckpointError, match="--override-opt_param-scheduler"):
@@ -129,7 +129,7 @@ def test_decoupled_lr_gives_embedding_and_output_their_own_schedule(tmp_path, mo
     (["--weight-decay-incr-style", "linear"], "needs both --start-weight-decay"),
 ])
 def test_bad_schedules_are_refused_before_any_work(tmp_path, flags, message):
-    from megatron_longstraw.errors import ConfigError
+    from megatron_longstraw.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         train.main(_flags(tmp_path, *flags))
@@ -139,7 +139,7 @@ def test_bad_schedules_are_refused_before_any_work(tmp_path, flags, message):
 def poisoned(monkeypatch):
     """Makes the GRPO loss of the `poison[0]`-th train_step call NaN (member 0's share, so its
     gradient is NaN too); records the trainable weights before and after every call."""
-    from megatron_longstraw import grpo
+    from megatron_longstraw.grpo import loss as grpo
 
     calls, poison, weights = [0], [None], []
     real_step, real_loss = schedule.train_step, grpo.member_loss
@@ -187,8 +187,8 @@ def test_nan_loss_skip_mode_counts_and_keeps_the_weights(tmp_path, poisoned, cap
 
 @pytest.mark.usefixtures("single_process")
 def test_nan_loss_stop_mode_names_step_and_group_and_keeps_the_checkpoint(tmp_path, poisoned):
-    from megatron_longstraw import checkpoint
-    from megatron_longstraw.errors import NonFiniteError, is_user_error
+    from megatron_longstraw.checkpointing import checkpoint
+    from megatron_longstraw.runtime.errors import NonFiniteError, is_user_error
 
     poison, weights = poisoned
     poison[0] = 1
@@ -275,7 +275,7 @@ def _weights(folder: Path) -> dict:
 
 
 def test_sigterm_saves_exits_0_and_the_resume_matches_an_uninterrupted_run(tmp_path):
-    from megatron_longstraw import checkpoint
+    from megatron_longstraw.checkpointing import checkpoint
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     code, _, out = _torchrun(tmp_path, "full", "--save", str(full), "--save-interval", "4")

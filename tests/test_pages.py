@@ -1,9 +1,9 @@
-"""Tests for megatron_longstraw.pages.PageStore (CPU only; expected numbers computed by hand)."""
+"""Tests for megatron_longstraw.state.pages.PageStore (CPU only; expected numbers computed by hand)."""
 
 import pytest
 import torch
 
-from megatron_longstraw.pages import PageStore
+from megatron_longstraw.state.pages import PageStore
 
 
 def _rows(n: int, width: int = 576, start: float = 0.0) -> torch.Tensor:

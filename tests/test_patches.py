@@ -227,7 +227,7 @@ def test_pretrain_gpt_patch_is_a_megatron_lm_diff():
     assert info.targets == ["pretrain_gpt.py"]
     assert "pretrain_gpt.py" not in wheel_files(), "now in the wheel: give it an apply test"
     added = "\n".join(line for diff in info.files for line in diff.added)
-    assert "add_longstraw_args" in added and "megatron_longstraw.train import main" in added
+    assert "add_longstraw_args" in added and "megatron_longstraw.training.train import main" in added
     assert ".longstraw" in added, "the hand-off must be keyed on args.longstraw"
 
 

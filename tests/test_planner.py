@@ -14,13 +14,13 @@ import torch
 
 from helpers import ROOT, build_tiny_glm
 from megatron_longstraw import planner
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.memory import SavedTensorMeter
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.runtime.memory import SavedTensorMeter
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
-from megatron_longstraw.parallel import CPLayout
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -135,7 +135,7 @@ def test_cli_json_figures(tmp_path):
 
 
 def test_lora_count_matches_adapters():
-    from megatron_longstraw.adapters import LoRAConfig, apply_lora, trainable_parameters
+    from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, trainable_parameters
     from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 
     cfg, model = build_tiny_glm(torch.float32)
@@ -156,9 +156,9 @@ QWEN_PROMPT_LEN = 80
 
 
 def _build_qwen(cfg, dtype=torch.float32):
-    from megatron_longstraw import precision
+    from megatron_longstraw.runtime import precision
     from megatron_longstraw.models.qwen36.model import build_qwen36_model
-    from megatron_longstraw.platform import manual_seed
+    from megatron_longstraw.runtime.platform import manual_seed
 
     manual_seed(0)
     precision.use_dtype(dtype)
@@ -198,7 +198,7 @@ def test_qwen36_parameter_count_matches_model():
 
 
 def test_qwen36_lora_count_and_nf4_base_match_adapters():
-    from megatron_longstraw.adapters import LoRAConfig, apply_lora, nf4_nbytes, trainable_parameters
+    from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, nf4_nbytes, trainable_parameters
 
     cfg = Qwen36Config.from_yaml(TINY_QWEN)
     model = _build_qwen(cfg)
@@ -260,8 +260,8 @@ def _qwen_replay_peak(model, captured, response, ls):
     rule's dropped final-state update saves count while they live, see
     planner.torch_chunk_delta_rule_saved; the meter holds them detached, so they no longer outlive
     the member, tests/test_memory.py.)"""
-    from megatron_longstraw.grpo import GRPOLossConfig, member_loss
-    from megatron_longstraw.replay import replay_member
+    from megatron_longstraw.grpo.loss import GRPOLossConfig, member_loss
+    from megatron_longstraw.training.replay import replay_member
 
     num_tokens = response.numel()
     old = torch.zeros(num_tokens)
@@ -324,7 +324,7 @@ def test_qwen36_replay_saved_bytes_within_0_1_percent(response_len, checkpoint_l
 def _qwen_cp_worker(rank, cp, prompt_len, response_len):
     """One CP rank: its captured page bytes and prompt rows, and its replay saved-tensor peaks
     (checkpointing on and off); {"unsupported": ...} where models/qwen36 refuses CP > 1."""
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=1,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -431,7 +431,7 @@ def test_scored_selections_host_line_equals_what_scoring_keeps():
     """GLM-5.2's host line for the DSA selections every member's scoring keeps for replay (G x
     full indexer layers x [R, k] int32) against `replay.score_member`'s, exactly (fp32, CP 1;
     top-k 16 > nothing: k = min(top-k, P - 1 + R) keys)."""
-    from megatron_longstraw.replay import score_member
+    from megatron_longstraw.training.replay import score_member
 
     cfg, model = build_tiny_glm(torch.float32)
     gen = torch.Generator().manual_seed(0)

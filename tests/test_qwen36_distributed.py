@@ -9,7 +9,7 @@ import torch
 import dist_workers
 from distributed import run_ranks
 from helpers import build_tiny_qwen
-from megatron_longstraw.capture import capture_prompt
+from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE
 
 pytestmark = pytest.mark.usefixtures("single_process")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_longstraw import precision
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.hf import (
     from_hf_state_dict,
@@ -28,8 +28,8 @@ from megatron_longstraw.models.qwen36.hf import (
     text_state_dict,
     to_hf_state_dict,
 )
-from megatron_longstraw.platform import manual_seed
-from megatron_longstraw.state import AttentionPass, attention_pass
+from megatron_longstraw.runtime.platform import manual_seed
+from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
 F64 = torch.float64
 TOL = 1e-9

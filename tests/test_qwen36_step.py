@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from helpers import build_tiny_qwen, full_sequence_logprobs, scoring_vs_full_sequence
-from megatron_longstraw.capture import capture_prompt
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.grpo import GRPOLossConfig, grpo_loss
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE, LongStrawGatedDeltaNet
-from megatron_longstraw.replay import score_member
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.training.replay import score_member
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -212,8 +212,8 @@ def test_prompt_state_gradients_on_request():
     store's buffers for every kind (GDN state and conv tail, K/V pages), and it is the true derivative: a
     central finite difference along a random direction agrees (fp64, relative 1e-6; the difference
     quotient's own error, truncation O(eps^2) plus rounding ~1e-14 / eps, is ~1e-8)."""
-    from megatron_longstraw import replay as replay_mod
-    from megatron_longstraw.state import attention_pass
+    from megatron_longstraw.training import replay as replay_mod
+    from megatron_longstraw.state.attention_pass import attention_pass
 
     cfg, model = build_tiny_qwen(torch.float64)
     group = _group(cfg.vocab_size, lens=(7,))
@@ -255,7 +255,7 @@ def test_all_param_gradients_at_fixed_prompt_state_match_finite_differences():
     over all parameters equals a central finite difference of scoring with the pages held fixed
     (fp64, relative 1e-6; the quotient's own error is ~1e-8), and the gradient touches every kind
     of parameter (GDN, gated attention, FFN, norms, embedding, head)."""
-    from megatron_longstraw.replay import replay_member
+    from megatron_longstraw.training.replay import replay_member
 
     cfg, model = build_tiny_qwen(torch.float64)
     group = _group(cfg.vocab_size, lens=(9,))

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from helpers import build_tiny_glm, build_tiny_qwen
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.memory import LiveBytesMeter
-from megatron_longstraw.pages import PageStore
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.runtime.memory import LiveBytesMeter
+from megatron_longstraw.state.pages import PageStore
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

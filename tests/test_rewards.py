@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_longstraw import rewards
-from megatron_longstraw.errors import ConfigError, is_user_error
-from megatron_longstraw.rewards import (
+from megatron_longstraw.rollout import rewards
+from megatron_longstraw.runtime.errors import ConfigError, is_user_error
+from megatron_longstraw.rollout.rewards import (
     RewardError,
     compute_rewards,
     exact_match,
@@ -56,7 +56,7 @@ def test_load_reward(user_module) -> None:
     assert load_reward("my_rewards:Scorer.score")(None, None, None, None) == 0.25
     assert load_reward("longstraw:exact_match") is exact_match
     assert load_reward("longstraw:marker_majority") is marker_majority
-    assert load_reward("megatron_longstraw.rewards:marker_majority") is marker_majority
+    assert load_reward("megatron_longstraw.rollout.rewards:marker_majority") is marker_majority
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -99,7 +99,7 @@ def test_compute_rewards_values_and_arguments() -> None:
     assert response.tolist() == [2, 3] and text == "b" and meta == {"k": 1}
     assert all(s[0] is seen[0][0] for s in seen)      # the prompt is one tensor, never copied
     # No texts: decoded by the tokenizer (special tokens skipped), or None without one.
-    from megatron_longstraw.data import load_tokenizer
+    from megatron_longstraw.data.groups import load_tokenizer
 
     tok = load_tokenizer(TOKENIZER)
     texts = []
@@ -218,7 +218,7 @@ def test_marker_task_errors(kwargs, message) -> None:
 
 
 def test_marker_task_file_reads_back_and_scores(tmp_path) -> None:
-    from megatron_longstraw.data import read_records
+    from megatron_longstraw.data.groups import read_records
 
     path = tmp_path / "marker.jsonl"
     rows = make_marker_task(3, 64, [100, 101], 50, seed=1, group_size=4, path=path,
@@ -251,8 +251,8 @@ def _lines(path, rows):
 
 @pytest.mark.usefixtures("single_process")
 def test_launcher_computes_missing_rewards_and_stops_on_a_bad_one(tmp_path, monkeypatch) -> None:
-    from megatron_longstraw import schedule, train
-    from megatron_longstraw.data import DataError
+    from megatron_longstraw.training import schedule, train
+    from megatron_longstraw.data.groups import DataError
 
     rows = make_marker_task(2, 48, [300, 301, 302], 200, seed=5, group_size=4)
     rows[0]["rewards"] = [0.0, 1.0, 0.0, 1.0]                  # supplied rewards are kept

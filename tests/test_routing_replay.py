@@ -1,4 +1,4 @@
-"""Routing replay (megatron_longstraw/routing_replay.py): the engine's DSA selections (`dsa_topk`)
+"""Routing replay (megatron_longstraw/training/routing_replay.py): the engine's DSA selections (`dsa_topk`)
 and MoE routing (`routed_experts`) are what scoring and replay use, for the tiny GLM-5.2 (fp64),
 on one process and on CP2/EP2 ranks; bad fields fail with the line, field, member and token; the
 JSONL round trip keeps them."""
@@ -14,11 +14,11 @@ import torch
 
 from distributed import run_ranks
 from helpers import build_tiny_glm
-from megatron_longstraw import replay, routing_replay
-from megatron_longstraw.config import LongStrawConfig
-from megatron_longstraw.data import DataError, parse_line, read_groups, write_groups
-from megatron_longstraw.schedule import GRPOGroup, forward_backward_longstraw, validate_inputs
-from megatron_longstraw.state import current_pass
+from megatron_longstraw.training import replay, routing_replay
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.data.groups import DataError, parse_line, read_groups, write_groups
+from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw, validate_inputs
+from megatron_longstraw.state.attention_pass import current_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -267,8 +267,8 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def routing_replay_worker(rank, state_path, group):
-    from megatron_longstraw import parallel
-    from megatron_longstraw.finalize import finalize_longstraw_grads
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])

@@ -156,7 +156,7 @@ def test_mismatch_summary_is_exact(scored):
 
 
 def test_random_init_is_seeded(tmp_path):
-    from megatron_longstraw import platform, precision
+    from megatron_longstraw.runtime import platform, precision
     from megatron_longstraw.models.glm52.model import build_glm52_model
 
     prompt, response = list(range(3, 30)), [5, 9, 2]
@@ -222,7 +222,7 @@ def test_ids_outside_the_model_vocabulary_are_rejected_with_their_line(tmp_path,
 
 
 def cp_score_worker(rank, argv):
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -255,8 +255,8 @@ def test_model_format_directory_supplies_family_and_config(tmp_path, scored):
     """A converted (model-format) directory carries its family and model config in
     longstraw.json: without --family and --config the scores equal the run with them; a --config
     of another model is refused naming the file and the field."""
-    from megatron_longstraw import model_format
-    from megatron_longstraw.errors import CheckpointError, ConfigError
+    from megatron_longstraw.checkpointing import model_format
+    from megatron_longstraw.runtime.errors import CheckpointError, ConfigError
 
     _, model = build_tiny_glm(torch.float64)
     model_format.save_model(tmp_path / "converted", model, family="glm52")

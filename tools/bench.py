@@ -107,7 +107,7 @@ def _conventional(model, group, cfg) -> dict:
     """Per-member log-probs of one plain forward over [prompt; response]; see module docstring."""
     import torch
 
-    from megatron_longstraw.grpo import grpo_loss
+    from megatron_longstraw.grpo.loss import grpo_loss
 
     prompt = group.prompt_ids
 
@@ -142,17 +142,18 @@ def run_one(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_longstraw import parallel, platform, precision
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.data import synthetic_group
-    from megatron_longstraw.families import get_family
-    from megatron_longstraw.memory import (
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.runtime import platform, precision
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.data.groups import synthetic_group
+    from megatron_longstraw.models.registry import get_family
+    from megatron_longstraw.runtime.memory import (
         LiveBytesMeter,
         SavedTensorMeter,
         current_rss_bytes,
         peak_rss_bytes,
     )
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(seed=args.seed)
     family = get_family(args.family)
@@ -197,7 +198,7 @@ def run_one(args) -> dict:
             out = {"logps": [], "phase_seconds": {"forward": time.perf_counter() - start},
                    "loss": 0.0, "page_bytes": 0}
         elif args.method.startswith("longstraw"):
-            from megatron_longstraw import schedule
+            from megatron_longstraw.training import schedule
 
             def timed_capture(*a, _capture=schedule.capture_prompt, **k):
                 cpu = time.process_time()
@@ -745,11 +746,11 @@ def write_png(results: list[dict], cap_bytes: int, path: Path) -> str:
 
 
 def parse_args(argv=None):
-    from megatron_longstraw.families import FAMILIES
+    from megatron_longstraw.models.registry import FAMILIES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="glm52",
-                   help="model family (megatron_longstraw/families.py)")
+                   help="model family (megatron_longstraw/models/registry.py)")
     p.add_argument("--config", default=None,
                    help="model YAML (default: the family's tiny example, examples/<family>/tiny.yaml)")
     p.add_argument("--quick", action="store_true",

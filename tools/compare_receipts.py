@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_longstraw.receipts import format_table, human_bytes  # noqa: E402
+from megatron_longstraw.training.receipts import format_table, human_bytes  # noqa: E402
 
 REQUIRED = ("prompt_len", "page_bytes", "page_bytes_by_kind", "fixed_page_kinds")
 

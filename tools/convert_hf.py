@@ -7,13 +7,13 @@
 
 `--hf-dir` is always the Hugging Face directory (config.json + *.safetensors, sharded with
 model.safetensors.index.json or not) and `--out` the plugin-format directory
-(megatron_longstraw/checkpoint.py documents it): the command reads the first and writes the second,
+(megatron_longstraw/checkpointing/checkpoint.py documents it): the command reads the first and writes the second,
 and the same command with `--to-hf` goes back (it never overwrites a non-empty directory).
 
 The tensor mapping is the family's hf.py (the one its state-dict functions and logit-parity tests
 use), applied to tensors by name: no model and no process group are built. What differs between the
 families is their record's `hf` (`HF_CONVERSION` in models/<family>/hf.py, collected by
-megatron_longstraw/families.py); the reading, checking and writing are shared here. HF tensors
+megatron_longstraw/models/registry.py); the reading, checking and writing are shared here. HF tensors
 are read lazily, one at a time (safetensors `safe_open`); `--to-hf` writes shard by shard. Memory:
 HF -> plugin holds the converted weights once (the format is a single safetensors file); --to-hf
 holds one shard.
@@ -22,7 +22,7 @@ Block-FP8 checkpoints (GLM-5.2's FP8 release, DeepSeek-V3 style: `weight` float8
 `weight_scale_inv` float32, one scale per 128 x 128 block; config.json `quantization_config`
 with `weight_block_size` [128, 128]) convert as they ship, for a family whose record allows it
 (`HFConversion.fp8_checkpoints`: glm52): every FP8 weight keeps its bytes and its scales, under
-the model format's names (megatron_longstraw/fp8.py; fused rows such as `linear_fc1` =
+the model format's names (megatron_longstraw/kernels/fp8.py; fused rows such as `linear_fc1` =
 [gate; up] stack the parts' scale grids), no dequantised copy is written, and `--to-hf` writes
 them back byte for byte. `--dtype` applies to the other tensors. The launcher keeps them in FP8
 with `--longstraw-lora --longstraw-fp8-base`, and loads them dequantised otherwise.
@@ -60,8 +60,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_longstraw import fp8, model_format  # noqa: E402
-from megatron_longstraw.families import FAMILIES, Family  # noqa: E402
+from megatron_longstraw.kernels import fp8
+from megatron_longstraw.checkpointing import model_format  # noqa: E402
+from megatron_longstraw.models.registry import FAMILIES, Family  # noqa: E402
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 

@@ -201,7 +201,7 @@ def make_task(args, out: Path) -> dict:
     """The prompts (JSONL, prompt ids inline) and the task's description for the receipt."""
     import yaml
 
-    from megatron_longstraw.rewards import make_marker_task
+    from megatron_longstraw.rollout.rewards import make_marker_task
 
     vocab = yaml.safe_load((ROOT / args.config).read_text())["model"]["vocab_size"]
     markers = list(range(vocab - args.num_markers, vocab))
@@ -322,7 +322,7 @@ def main(argv=None) -> dict:
     per_seed = [{"seed": seed, "run": by_job[(seed, False)], "control": by_job[(seed, True)]}
                 for seed in seeds]
     receipt = build_receipt(args, per_seed, task, time.perf_counter() - start)
-    from megatron_longstraw.receipts import write_json_atomic
+    from megatron_longstraw.training.receipts import write_json_atomic
 
     write_json_atomic(out / "receipt.json", receipt)
     write_png(receipt, out / "reward_curves.png")

@@ -48,9 +48,9 @@ def build_model(dtype, seed: int, config: str, family: str = "glm52"):
     non-trivial weights (router correction bias, norm gains)."""
     import torch
 
-    from megatron_longstraw import precision
-    from megatron_longstraw.families import get_family
-    from megatron_longstraw.platform import manual_seed
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.models.registry import get_family
+    from megatron_longstraw.runtime.platform import manual_seed
 
     manual_seed(seed)
     precision.use_dtype(dtype)
@@ -71,7 +71,7 @@ def build_model(dtype, seed: int, config: str, family: str = "glm52"):
 def make_group(vocab: int, prompt_len: int, lens: list[int], seed: int):
     import torch
 
-    from megatron_longstraw.schedule import GRPOGroup
+    from megatron_longstraw.training.schedule import GRPOGroup
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
@@ -81,7 +81,7 @@ def make_group(vocab: int, prompt_len: int, lens: list[int], seed: int):
 
 
 def longstraw_cfg(args, group_size: int, **kw):
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     # Blocks that do not divide the lengths: block boundaries fall inside every phase.
     return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
@@ -121,9 +121,9 @@ def update_step(model, cfg, group, ls_cfg, lr=1e-3):
     """forward_backward_longstraw + finalize + AdamW: logps, finalized grads, params (global names)."""
     import torch
 
-    from megatron_longstraw.finalize import finalize_longstraw_grads, grad_norm
-    from megatron_longstraw.parallel import global_name
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
+    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     optimizer.zero_grad(set_to_none=True)
@@ -156,9 +156,9 @@ def rank_main(rank, world, init_file, args, state_path, results):
     try:
         import torch
 
-        from megatron_longstraw import parallel
-        from megatron_longstraw.memory import SavedTensorMeter, peak_rss_bytes
-        from megatron_longstraw.schedule import forward_backward_longstraw, train_step
+        from megatron_longstraw.distributed import parallel
+        from megatron_longstraw.runtime.memory import SavedTensorMeter, peak_rss_bytes
+        from megatron_longstraw.training.schedule import forward_backward_longstraw, train_step
 
         parallel.initialize(context_parallel_size=args.cp, expert_parallel_size=args.ep,
                             init_method=f"file://{init_file}")
@@ -239,7 +239,7 @@ def run_ranks(args, state_path, timeout: float) -> list[dict]:
 
 
 def reference_grads(model, group, trainable, loss_cfg, detach_prompt_state):
-    from megatron_longstraw.grpo import grpo_loss
+    from megatron_longstraw.grpo.loss import grpo_loss
 
     for p in model.parameters():
         p.grad = None
@@ -251,7 +251,7 @@ def reference_grads(model, group, trainable, loss_cfg, detach_prompt_state):
 
 
 def longstraw_grads(model, group, trainable, ls_cfg):
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     for p in model.parameters():
         p.grad = None
@@ -308,9 +308,10 @@ def _row(level, what, error, passed, info=None) -> dict:
 def evidence(args) -> dict:
     import torch
 
-    from megatron_longstraw import parallel, planner
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.replay import score_member
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw import planner
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.training.replay import score_member
 
     if args.family != "glm52":
         raise SystemExit(f"--family {args.family}: the evidence levels here are written for glm52 "
@@ -396,7 +397,7 @@ def format_rows(rows) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from megatron_longstraw.families import FAMILIES
+    from megatron_longstraw.models.registry import FAMILIES
 
     p.add_argument("--family", choices=sorted(FAMILIES), default="glm52")
     p.add_argument("--config", default=None,

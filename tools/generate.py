@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_longstraw.families import FAMILIES
+from megatron_longstraw.models.registry import FAMILIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from score import DTYPES, build_model, load_checkpoint, model_config, resolve_model_source  # noqa: E402
@@ -68,14 +68,15 @@ def main(argv=None) -> list[dict]:
     """The tool (module docstring). -> the written lines."""
     args = parse_args(argv)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
-    from megatron_longstraw import errors, parallel
-    from megatron_longstraw.arguments import longstraw_config_from_yaml
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.data import load_tokenizer, read_line
-    from megatron_longstraw.dataset import GroupDataset
-    from megatron_longstraw.decode import SamplingParams, generate
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.rewards import compute_rewards, load_reward
+    from megatron_longstraw.runtime import errors
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.training.arguments import longstraw_config_from_yaml
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.data.groups import load_tokenizer, read_line
+    from megatron_longstraw.data.dataset import GroupDataset
+    from megatron_longstraw.rollout.decode import SamplingParams, generate
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.rollout.rewards import compute_rewards, load_reward
 
     with errors.configuration():
         family, source = resolve_model_source(args)
@@ -133,6 +134,6 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from megatron_longstraw.errors import run_entry
+    from megatron_longstraw.runtime.errors import run_entry
 
     run_entry(main)

@@ -74,12 +74,12 @@ def build(args, trainable: str, dtype):
     import torch
 
     from evidence import build_model
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.models.registry import get_family
 
     family = get_family(args.family)
     cfg, model = build_model(dtype, args.seed, args.config or family.tiny_config, args.family)
     if trainable == "lora":
-        from megatron_longstraw.adapters import LoRAConfig, apply_lora
+        from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora
 
         apply_lora(model, LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank,
                                      targets=family.lora_targets))
@@ -92,7 +92,7 @@ def build(args, trainable: str, dtype):
 
 
 def longstraw_config(args, group_size: int, mode: str):
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     return LongStrawConfig(group_size=group_size, max_response_len=args.response_len,
                            clip_eps_high=0.28, prompt_grad=mode)
@@ -107,7 +107,7 @@ def group_for(args, vocab: int, prompt_len: int, group_size: int, seed: int):
 
 
 def gradients(model, group, cfg) -> tuple[dict, float]:
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -141,7 +141,7 @@ def train(args, dtype, mode: str) -> list[dict]:
     """`--train-steps` GRPO steps in `mode` from the sweep's weights, on the same groups."""
     import torch
 
-    from megatron_longstraw.schedule import train_step
+    from megatron_longstraw.training.schedule import train_step
 
     cfg, model = build(args, "full", dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -210,7 +210,7 @@ def plot(training: dict, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    from megatron_longstraw.families import FAMILIES
+    from megatron_longstraw.models.registry import FAMILIES
 
     def sizes(text: str) -> list[int]:
         out = []
@@ -250,7 +250,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from megatron_longstraw import parallel
+    from megatron_longstraw.distributed import parallel
 
     warnings.filterwarnings("ignore")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_longstraw import planner  # noqa: E402
-from megatron_longstraw.families import FAMILIES  # noqa: E402
+from megatron_longstraw.models.registry import FAMILIES  # noqa: E402
 
 # The full-size plan's layout per family (Family.planner), for --help.
 _LAYOUTS = {name: (f.planner.cp, f.planner.ep) for name, f in sorted(FAMILIES.items())}
@@ -93,7 +93,7 @@ def parse_args(argv=None):
 
 
 def build_spec(args) -> planner.PlanSpec:
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     family = FAMILIES[args.family]
     if args.weight_dtype == "fp8" and not family.fp8_linears:

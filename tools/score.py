@@ -6,12 +6,12 @@
     python tools/score.py --checkpoint CONVERTED --input groups.jsonl --out scores.jsonl
     torchrun --nproc-per-node 2 tools/score.py ... --context-parallel-size 2     # GLM: CP = EP = 2
 
-A model-format directory (tools/convert_hf.py's output, megatron_longstraw/model_format.py) carries
+A model-format directory (tools/convert_hf.py's output, megatron_longstraw/checkpointing/model_format.py) carries
 its family and model config in longstraw.json: `--family` and `--config` may then be left out (the
 step settings, block sizes and kernels, are then LongStrawConfig's defaults); given, they must
 match it. A bare checkpoint (a folder with model.safetensors only) and `--random-init` need both.
 
-The model families are the launcher's (megatron_longstraw/families.py: config class, builder,
+The model families are the launcher's (megatron_longstraw/models/registry.py: config class, builder,
 expert-parallel limit). GLM-5.2 folds EP on the CP ranks (EP = CP); Qwen3.6 has no experts (EP 1).
 
 For every group of the input JSONL (examples/data/README.md) the prompt is captured once and each
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_longstraw.families import FAMILIES
+from megatron_longstraw.models.registry import FAMILIES
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -47,7 +47,7 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 def expert_parallel_size(family: str, context_parallel_size: int) -> int:
     """EP folded on the CP ranks, as far as the family's model has experts to shard."""
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.models.registry import get_family
 
     limit = get_family(family).max_expert_parallel_size
     return context_parallel_size if limit is None else min(context_parallel_size, limit)
@@ -56,7 +56,7 @@ def expert_parallel_size(family: str, context_parallel_size: int) -> int:
 def model_config(family: str, config):
     """`family`'s model config from the `model:` section of the YAML at `config`, a config dict (a
     model-format directory's longstraw.json "model"), or a config object (returned as is)."""
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.models.registry import get_family
 
     config_class = get_family(family).config_class
     if isinstance(config, dict):
@@ -70,8 +70,8 @@ def build_model(family: str, config, dtype: torch.dtype, expert_parallel_size: i
     """(model config, model, number of routed experts) of `family` from `config` (`model_config`:
     a YAML path, a config dict or object), built by the family's registry record (model-parallel
     state initialised)."""
-    from megatron_longstraw import precision
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.models.registry import get_family
 
     entry = get_family(family)
     cfg = model_config(family, config)
@@ -86,8 +86,9 @@ def load_checkpoint(model, path: str | Path, num_experts: int) -> Path:
     A model-format directory's longstraw.json must describe the model built."""
     from safetensors.torch import load_file
 
-    from megatron_longstraw import model_format, parallel
-    from megatron_longstraw.errors import CheckpointError, InputNotFound
+    from megatron_longstraw.checkpointing import model_format
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
 
     path = Path(path)
     file = path / "model.safetensors" if path.is_dir() else path
@@ -159,14 +160,14 @@ class MismatchStats:
 
 def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
                 overall: MismatchStats | None = None, log=None):
-    """Yield one result dict per group. `groups`: `GroupRecord`s (megatron_longstraw.data) or
+    """Yield one result dict per group. `groups`: `GroupRecord`s (megatron_longstraw.data.groups) or
     `GRPOGroup`s (id: their index). `cfg`: LongStrawConfig (block sizes). `overall` accumulates
     the mismatch over all groups that carry logps_old. Under CP every rank passes the same groups
     and gets the same results."""
-    from megatron_longstraw.capture import capture_prompt
+    from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.kernels import select
-    from megatron_longstraw import routing_replay
-    from megatron_longstraw.replay import score_member
+    from megatron_longstraw.training import routing_replay
+    from megatron_longstraw.training.replay import score_member
 
     select.use(cfg.kernels)
     for idx, item in enumerate(groups):
@@ -210,7 +211,7 @@ def score_groups(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10
 def _agreed(records, layout):
     """Yield records; under CP the ranks first agree that they read the same group (or the same
     end of file), and a rank that failed to read takes every rank down with its message."""
-    from megatron_longstraw.parallel import check_agreement
+    from megatron_longstraw.distributed.parallel import check_agreement
 
     records = iter(records)
     while True:
@@ -252,7 +253,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="Model family (megatron_longstraw/families.py); default: the "
+                   help="Model family (megatron_longstraw/models/registry.py); default: the "
                         "--checkpoint model-format directory's.")
     p.add_argument("--config", default=None,
                    help="Model YAML (`model:` and `longstraw:`); default: the model config in the "
@@ -281,8 +282,8 @@ def parse_args(argv=None):
 def resolve_model_source(args) -> tuple[str, str | dict]:
     """(family, model config: the --config YAML path or longstraw.json's "model" dict) from the
     flags and, where they are left out, the --checkpoint model-format directory."""
-    from megatron_longstraw import model_format
-    from megatron_longstraw.errors import CheckpointError, ConfigError
+    from megatron_longstraw.checkpointing import model_format
+    from megatron_longstraw.runtime.errors import CheckpointError, ConfigError
 
     meta = None
     if args.checkpoint and model_format.is_model_format(args.checkpoint):
@@ -318,11 +319,12 @@ def main(argv=None) -> dict:
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     import torch.distributed as dist
 
-    from megatron_longstraw import errors, parallel
-    from megatron_longstraw.arguments import longstraw_config_from_yaml
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.data import read_records
-    from megatron_longstraw.metrics import configure_logging
+    from megatron_longstraw.runtime import errors
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.training.arguments import longstraw_config_from_yaml
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.data.groups import read_records
+    from megatron_longstraw.training.metrics import configure_logging
 
     configure_logging()
     with errors.configuration():   # flags, YAML, the model config's values
@@ -357,7 +359,7 @@ def main(argv=None) -> dict:
                    "overall": overall.summary(),
                    "groups": [{"id": r["id"], **r["mismatch"]} for r in results if "mismatch" in r]}
         if rank0:
-            from megatron_longstraw.receipts import write_json_atomic
+            from megatron_longstraw.training.receipts import write_json_atomic
 
             write_json_atomic(f"{args.out}.summary.json", summary)
             print(format_summary(summary))
@@ -406,6 +408,6 @@ def format_summary(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    from megatron_longstraw.errors import run_entry
+    from megatron_longstraw.runtime.errors import run_entry
 
     run_entry(main)

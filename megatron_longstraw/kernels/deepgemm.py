@@ -48,7 +48,7 @@ import logging
 
 import torch
 
-from megatron_longstraw import fp8
+from megatron_longstraw.kernels import fp8
 from megatron_longstraw.kernels import packages, refs
 
 logger = logging.getLogger(__name__)

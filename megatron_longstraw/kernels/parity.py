@@ -193,7 +193,7 @@ def gdn_run(rule, case: dict, dtype=None):
 def gdn_reference(q, k, v, g, beta, **kwargs):
     """Megatron-Core's `torch_chunk_gated_delta_rule` with every step in float64 (precision.py's
     copy, the one `precision.enable_fp64_gdn` installs)."""
-    from megatron_longstraw.precision import chunk_gated_delta_rule_fp64
+    from megatron_longstraw.runtime.precision import chunk_gated_delta_rule_fp64
 
     return chunk_gated_delta_rule_fp64(q, k, v, g, beta, **kwargs)
 

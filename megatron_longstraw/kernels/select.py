@@ -24,7 +24,7 @@ it. `apply_rope` and `merge_partial_attention` always run the reference. `attent
 reference today (blockwise over keys, recomputing backward); a fused GPU backend that returns the
 log-sum-exp and takes its gradient (FlashAttention-style) plugs in as one more row here.
 
-`fp8_gemm` (the frozen FP8 base of `--longstraw-fp8-base`, megatron_longstraw/fp8.py): its
+`fp8_gemm` (the frozen FP8 base of `--longstraw-fp8-base`, megatron_longstraw/kernels/fp8.py): its
 reference is `fp8.linear` (beside the format it computes; kernels/refs.py holds the others).
 `deepgemm` (DeepGEMM's `fp8_gemm_nt`, kernels/deepgemm.py) quantises the activations to FP8 per
 1 x 128 group, which changes the numbers, so `auto` never picks it: name it (`fp8_gemm=deepgemm`,
@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from megatron_longstraw import fp8
+from megatron_longstraw.kernels import fp8
 from megatron_longstraw.kernels import packages, refs
 from megatron_longstraw.kernels.packages import MissingKernelPackage
 

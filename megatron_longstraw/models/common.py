@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_longstraw.patches.layer_state import release_call_state
+from megatron_longstraw.runtime.patches.layer_state import release_call_state
 
 MIXERS = {"M", "G", "*", "D", "+"}  # symbols that read other tokens (attention / recurrence)
 

@@ -31,11 +31,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_longstraw import parallel
+from megatron_longstraw.distributed import parallel
 from megatron_longstraw.kernels.refs import merge_partial_attention
-from megatron_longstraw.memory import note_host
-from megatron_longstraw.parallel import CPLayout
-from megatron_longstraw.state import AttentionPass
+from megatron_longstraw.runtime.memory import note_host
+from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 
 class StreamedCapture:

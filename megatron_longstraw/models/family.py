@@ -1,7 +1,7 @@
 """What a model family is, for every entry point: the `Family` record each `models/<family>/`
 exports as `FAMILY`, and its two parts for tools (`HFConversion`, `PlannerEntry`).
 
-`megatron_longstraw/families.py` collects the records; the launcher, `tools/*.py` and the planner
+`megatron_longstraw/models/registry.py` collects the records; the launcher, `tools/*.py` and the planner
 read them. Nothing here imports a model: a family's record module imports its builder, its
 Megatron-Core specs and its planner functions inside functions, so the registry stays cheap to
 import and free of cycles (the planner imports the registry).
@@ -49,7 +49,7 @@ class HFConversion:
     fp8_checkpoints: bool = False
     """Block-FP8 checkpoints (`weight` float8_e4m3fn + `weight_scale_inv`, 128 x 128 blocks)
     convert with their FP8 bytes and scales kept (the mapping's 'copy', 'cat' and 'stack' kinds
-    only move whole tensors and rows; megatron_longstraw/fp8.py)."""
+    only move whole tensors and rows; megatron_longstraw/kernels/fp8.py)."""
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_longstraw.models import partials
-from megatron_longstraw.pages import LayerRows
-from megatron_longstraw.state import AttentionPass, current_pass
+from megatron_longstraw.state.pages import LayerRows
+from megatron_longstraw.state.attention_pass import AttentionPass, current_pass
 
 
 class StateAwareMixer:

@@ -33,7 +33,7 @@ report labels each item so.
 A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
 model, `qwen36` against its Qwen3.6 model), named by the family's record (`Family.planner`,
 models/<family>/family.py); `FAMILIES` is that view of the registry
-(megatron_longstraw/families.py).
+(megatron_longstraw/models/registry.py).
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_longstraw import families as _registry
+from megatron_longstraw.models import registry as _registry
 # The public names of the family modules and the vocabulary, importable from `planner`.
-from megatron_longstraw.planner.common import (
+from megatron_longstraw.models.footprint import (
     DTYPE_BYTES, Footprint, GPU_BYTES, GiB, Item, MiB, PageKind, ParamGroup, PlanSpec,
     TRAINABLE, local_prompt_rows, lse_merge_saved, page_bytes, phase_bytes,
     prompt_backward_inputs_bytes,
 )
-from megatron_longstraw.planner.glm52 import (
+from megatron_longstraw.models.glm52.planner import (
     glm52, glm52_pages, glm52_params, glm52_replay_saved,
 )
-from megatron_longstraw.planner.qwen36 import (
+from megatron_longstraw.models.qwen36.planner import (
     GDN_CHUNK, fla_chunk_delta_rule_saved, qwen36, qwen36_pages, qwen36_params,
     qwen36_replay_saved, torch_chunk_delta_rule_saved, zero_centred_norm_saved,
 )
@@ -191,7 +191,7 @@ def base_weight_bytes(spec: PlanSpec, params: list[ParamGroup]) -> float:
     parameter."""
     share = lambda g: 1 / spec.ep if g.expert else 1
     if spec.fp8_base:
-        from megatron_longstraw.fp8 import nbytes as fp8_nbytes
+        from megatron_longstraw.kernels.fp8 import nbytes as fp8_nbytes
 
         total = 0.0
         for g in params:

@@ -20,8 +20,9 @@ from .common import RESULTS, say
 
 
 def _tiny():
-    from megatron_longstraw import parallel, precision
-    from megatron_longstraw.families import get_family
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.runtime import precision
+    from megatron_longstraw.models.registry import get_family
 
     from .common import REPO
 
@@ -37,9 +38,9 @@ def capacity(args, lengths: tuple[int, ...] | None = None, model_and_config=None
     257 and 641 on the CPU's tiny model: several token blocks each): measured device peak vs the
     planner's."""
     from megatron_longstraw import planner
-    from megatron_longstraw.capture import capture_prompt
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.memory import LiveBytesMeter
+    from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
 
     gpu = torch.cuda.is_available()
     if model_and_config is not None:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from megatron_longstraw import fp8
+from megatron_longstraw.kernels import fp8
 from megatron_longstraw.kernels import parity, refs, select
 
 from .common import REPO, RESULTS, check, median_ms, say

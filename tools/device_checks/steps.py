@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from megatron_longstraw.families import get_family
+from megatron_longstraw.models.registry import get_family
 from megatron_longstraw.kernels import select
 
 from .common import REPO, RESULTS, check, say
@@ -32,7 +32,8 @@ QWEN_STEP_MIN_SECONDS = 60.0   # building the 4.1B-parameter model, the first st
 
 
 def _build_model():
-    from megatron_longstraw import parallel, precision
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.runtime import precision
 
     glm52 = get_family("glm52")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
@@ -47,8 +48,8 @@ def _build_model():
 
 
 def model_step(args, deadline: float) -> dict:
-    from megatron_longstraw.config import LongStrawConfig
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     cfg, model = _build_model()
     ls = LongStrawConfig(group_size=2, max_response_len=args.response_len, kernels=args.kernels,
@@ -80,7 +81,8 @@ def model_step(args, deadline: float) -> dict:
 def _build_qwen36(args):
     """Qwen3.6 with 4 decoder layers (`G-G-G-*`) at the full.yaml widths, bf16, on the GPU, with
     the dense backend of --kernels, and slow GDN decays."""
-    from megatron_longstraw import parallel, precision
+    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.runtime import precision
 
     qwen36 = get_family("qwen36")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1)
@@ -170,7 +172,7 @@ def qwen36_step(args, deadline: float) -> dict:
     if deadline - time.perf_counter() < QWEN_STEP_MIN_SECONDS:
         say(f"  skipped: fewer than {QWEN_STEP_MIN_SECONDS:.0f} s of the time budget left")
         return {"skipped": "time budget"}
-    from megatron_longstraw.config import LongStrawConfig
+    from megatron_longstraw.config.settings import LongStrawConfig
 
     gc.collect()                  # the GLM-5.2 model of the previous section
     torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ def build_on_gpu(build):
 
 
 def cuda_group(cfg, prompt_len: int, response_len: int, seed: int):
-    from megatron_longstraw.data import synthetic_group
+    from megatron_longstraw.data.groups import synthetic_group
 
     group = synthetic_group(cfg.vocab_size, prompt_len, group_size=2, response_len=response_len,
                             seed=seed)
@@ -38,7 +38,7 @@ def prompt_sweep(model, cfg, ls, args, deadline: float, out: dict, on_first_step
     --max-prompt-len or `deadline` (time.perf_counter()) runs out; per step its peak
     torch.cuda.max_memory_allocated, phase times and page bytes go to out["steps"].
     `on_first_step(result, group)` runs after the first step (checks at the smallest length)."""
-    from megatron_longstraw.schedule import forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     prompt_len = args.start_prompt_len
     while prompt_len <= args.max_prompt_len:

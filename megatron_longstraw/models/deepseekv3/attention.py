@@ -37,7 +37,7 @@ from megatron_longstraw.kernels import refs, select
 from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.deepseekv3.config import decoder_layer_index
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
-from megatron_longstraw.state import AttentionPass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 
 class LongStrawMLADenseAttention(AbsorbedMLA):

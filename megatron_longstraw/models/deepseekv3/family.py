@@ -1,4 +1,4 @@
-"""DeepSeek-V3's `Family` record (megatron_longstraw/families.py collects it): dense MLA attention
+"""DeepSeek-V3's `Family` record (megatron_longstraw/models/registry.py collects it): dense MLA attention
 (`+`), dense (`-`) or MoE (`E`) FFN with group-limited sigmoid routing. The builder, the specs and
 the planner are imported when called."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron_longstraw import parallel, precision
+from megatron_longstraw.distributed import parallel
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.common import build_hybrid_model
 from megatron_longstraw.models.deepseekv3.config import DeepseekV3Config
 from megatron_longstraw.models.deepseekv3.spec import deepseekv3_stack_spec

@@ -7,11 +7,11 @@ are the dense attention core and the group-limited router's scratch."""
 
 from __future__ import annotations
 
-from megatron_longstraw.planner.common import (
+from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
     outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
-from megatron_longstraw.planner.mla import (
+from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
 )
 

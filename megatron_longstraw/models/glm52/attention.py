@@ -22,13 +22,13 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_longstraw import parallel
+from megatron_longstraw.distributed import parallel
 from megatron_longstraw.kernels import refs, select
-from megatron_longstraw.memory import note_host
+from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.glm52.config import has_own_indexer
 from megatron_longstraw.models.mla import LATENT, AbsorbedMLA
-from megatron_longstraw.state import AttentionPass, member_pass
+from megatron_longstraw.state.attention_pass import AttentionPass, member_pass
 
 INDEX_KEY = "index_key"  # page kind: DSA indexer key rows
 

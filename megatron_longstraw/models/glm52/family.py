@@ -1,4 +1,4 @@
-"""GLM-5.2's `Family` record (megatron_longstraw/families.py collects it): MLA + DSA indexer
+"""GLM-5.2's `Family` record (megatron_longstraw/models/registry.py collects it): MLA + DSA indexer
 attention (`D`), dense (`-`) or MoE (`E`) FFN. The builder, the specs and the planner are imported
 when called."""
 
@@ -46,7 +46,7 @@ def describe(cfg: GLM52Config) -> str:
 
 def footprint(spec, prompt_len: int):
     """planner.glm52 (imported here: the planner package reads the registry)."""
-    from megatron_longstraw.planner.glm52 import glm52
+    from megatron_longstraw.models.glm52.planner import glm52
 
     return glm52(spec, prompt_len)
 

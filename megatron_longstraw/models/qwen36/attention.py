@@ -35,7 +35,7 @@ from megatron_longstraw.kernels import select
 from megatron_longstraw.models import context_parallel, partials
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
-from megatron_longstraw.state import AttentionPass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 KEY = "key"      # page kind: K rows [P, groups, head_dim] (after k_norm and RoPE)
 VALUE = "value"  # page kind: V rows [P, groups, head_dim]

@@ -1,4 +1,4 @@
-"""Qwen3.6's `Family` record (megatron_longstraw/families.py collects it): Gated DeltaNet (`G`) and
+"""Qwen3.6's `Family` record (megatron_longstraw/models/registry.py collects it): Gated DeltaNet (`G`) and
 gated full attention (`*`) mixers, dense FFN (`-`), no experts. Builder, specs and planner are
 imported when called."""
 
@@ -60,7 +60,7 @@ def describe(cfg: Qwen36Config) -> str:
 
 def footprint(spec, prompt_len: int):
     """planner.qwen36 (imported here: the planner package reads the registry)."""
-    from megatron_longstraw.planner.qwen36 import qwen36
+    from megatron_longstraw.models.qwen36.planner import qwen36
 
     return qwen36(spec, prompt_len)
 

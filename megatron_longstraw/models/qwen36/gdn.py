@@ -43,10 +43,10 @@ from megatron.core.ssm.gated_delta_net.common import (
 
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
-from megatron_longstraw.parallel import HeadParallel
+from megatron_longstraw.distributed.parallel import HeadParallel
 from megatron_longstraw.kernels import refs
-from megatron_longstraw.memory import note_host
-from megatron_longstraw.state import AttentionPass
+from megatron_longstraw.runtime.memory import note_host
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 GDN_STATE = "gdn_state"  # fixed page kind: recurrent state [H_v, d_k, d_v] after the prefix
 CONV_TAIL = "conv_tail"  # fixed page kind: last kernel - 1 conv inputs [kernel - 1, conv_dim]

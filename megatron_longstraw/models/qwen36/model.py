@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron_longstraw import parallel, precision
+from megatron_longstraw.distributed import parallel
+from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.common import build_hybrid_model
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.spec import qwen36_stack_spec

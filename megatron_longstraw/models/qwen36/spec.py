@@ -36,7 +36,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_longstraw.models.norms import ZeroCenteredRMSNorm
+from megatron_longstraw.runtime.norms import ZeroCenteredRMSNorm
 from megatron_longstraw.models.qwen36.attention import LongStrawGatedSelfAttention
 from megatron_longstraw.models.qwen36.gdn import LongStrawGatedDeltaNet
 

@@ -1,0 +1,198 @@
+"""LongStrawConfig: the settings of the LongStraw step (the `--longstraw-*` flags, or a YAML
+`longstraw:` section)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_longstraw.grpo.loss import GRPOLossConfig
+from megatron_longstraw.grpo.offpolicy import check_tis
+from megatron_longstraw.state.pages import PAGE_FORMATS
+
+
+@dataclass
+class LongStrawConfig:
+    group_size: int = 4
+    """G: responses per prompt (>= 2; GRPO compares members of a group)."""
+    max_response_len: int = 4096
+    """Longest response accepted (tokens); longer ones are rejected before any work."""
+    clip_eps_low: float = 0.2
+    """PPO clip: ratios below 1 - clip_eps_low are clipped."""
+    clip_eps_high: float = 0.2
+    """PPO clip: ratios above 1 + clip_eps_high are clipped."""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to the reference policy (0 disables reference scoring)."""
+    adv_eps: float = 1e-6
+    """Added to the group's reward std in the advantage denominator, A_i = (r_i - mean) / (std +
+    adv_eps) (> 0)."""
+    std_unbiased: bool = False
+    """Advantage std: False = population std (divide by G), True = sample std (divide by G - 1)."""
+    page_tokens: int = 65536
+    """Rows per page of captured state."""
+    offload_pages: bool = True
+    """Keep captured pages in host memory (pinned with CUDA) and stream them layer by layer."""
+    index_key_pages: str = "model"
+    """Storage of DSA index-key pages (GLM-5.2; families without index keys ignore it): "model"
+    (the model's dtype) or "fp8" (e4m3 + one fp32 scale per token: d + 4 bytes a row, 132 B at
+    index_head_dim 128, DeepGEMM's layout; pages.py). fp8 only changes which keys the top-k
+    selects (index keys get no gradient), and nothing under DeepGEMM's indexer, which casts the
+    keys the same way. "model" is the default: the CPU parity tests compare with transformers at
+    fp64 and need exact selections. Capture builds its `PageStore` with `page_formats()`."""
+    kernels: str = "auto"
+    """Kernel backend: auto | ref | a backend name | per-part spec such as
+    "auto,indexer=ref" or "sparse_mla=flashmla,sparse_mla_grad=triton" (kernels/select.py)."""
+    checkpoint_layers: bool = True
+    """Whole-decoder-layer activation checkpointing during replay."""
+    prompt_grad: str = "detached"
+    """The prompt state's gradient: "detached" (d loss / d theta at fixed prompt state, the
+    paper's) or "exact" (replay accumulates d loss / d state into the pages' cotangents, then a
+    prompt backward runs the prompt's layers in reverse: the update of standard GRPO;
+    prompt_backward.py)."""
+    token_block: int = 8192
+    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE); the token block
+    of streamed capture."""
+    capture: str = "streamed"
+    """"streamed" (layer by layer, token block by token block, the residual stream in host memory,
+    under CP the layer's rows of every rank exchanged through host memory: nothing of the
+    prompt's size on the device; capture.py) or "whole" (each layer over this rank's whole shard
+    on the device: the earlier schedule, kept as the reference streamed capture is tested
+    against)."""
+    query_block: int = 1024
+    """Queries per sparse-attention block."""
+    key_block: int = 4096
+    """Keys per indexer-score block (running top-k)."""
+    seed: int = 1234
+    """Random seed (initialisation and synthetic data)."""
+    tis: str = "truncate"
+    """Off-policy correction with the engine's log-probs (the data's `logprobs_old`; nothing to
+    correct without them): "truncate" weights token t's policy term by min(pi_old / pi_engine, C),
+    "mask" by pi_old / pi_engine inside [1/C, C] and 0 outside, "off" by 1 (the mismatch is
+    still logged). The PPO ratio's denominator is always the trainer's own pi_old
+    (offpolicy.py)."""
+    tis_cap: float = 2.0
+    """C of `tis`: the largest importance weight (truncate), the mask's bounds [1/C, C] (>= 1)."""
+    reward: str | None = None
+    """Reward function `module:function` or `longstraw:<built-in>` (rewards.py), called for the
+    members of a record that carries no `rewards`; None: every record must carry them."""
+
+    rollout: str = "offline"
+    """"offline": the groups of --longstraw-data, responses and rewards given (or rewards from
+    `reward`); "online": --longstraw-data holds prompts, and every step generates `group_size`
+    responses per prompt from the step's own capture and rewards them with `reward`
+    (rollout.py)."""
+    max_new_tokens: int | None = None
+    """Online: the most tokens a generated response has (default: `max_response_len`)."""
+    temperature: float = 1.0
+    """Online sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Online nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Online top-k sampling (0: off)."""
+    stop_ids: tuple[int, ...] = ()
+    """Online: token ids that end a response (kept in it)."""
+    control: str = "none"
+    """Online: "zeros" replaces the captured prompt state by zeros (a control run that cannot
+    see the prompt; rollout.py)."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_response_len", "page_tokens", "token_block", "query_block",
+                     "key_block", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
+        for name in ("offload_pages", "checkpoint_layers", "std_unbiased"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"longstraw {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}.")
+        if self.group_size < 2:
+            raise ValueError(f"longstraw group_size must be >= 2 (GRPO needs a group), got "
+                             f"{self.group_size}.")
+        for name in ("max_response_len", "page_tokens", "token_block", "query_block", "key_block"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"longstraw {name} must be positive, got {getattr(self, name)}.")
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "adv_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
+                        if isinstance(value, str) else "")
+                raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if self.index_key_pages not in PAGE_FORMATS:
+            raise ValueError(f"longstraw index_key_pages (--longstraw-index-key-pages) must be one "
+                             f"of {list(PAGE_FORMATS)}, got {self.index_key_pages!r}.")
+        if self.capture not in ("streamed", "whole"):
+            raise ValueError(f"longstraw capture must be 'streamed' or 'whole', got "
+                             f"{self.capture!r}.")
+        if self.prompt_grad not in PROMPT_GRAD_MODES:
+            raise ValueError(f"longstraw prompt_grad must be one of {list(PROMPT_GRAD_MODES)}, "
+                             f"got {self.prompt_grad!r}.")
+        self.loss_config()  # validates the clip, KL and advantage settings
+        check_tis(self.tis, self.tis_cap)
+        self._check_rollout()
+        if self.reward is not None and (not isinstance(self.reward, str)
+                                        or ":" not in self.reward):
+            raise ValueError(f"longstraw reward (--longstraw-reward) must be 'module:function' "
+                             f"or 'longstraw:<name>', got {self.reward!r}.")
+
+    def _check_rollout(self) -> None:
+        from megatron_longstraw.rollout.decode import SamplingParams
+        from megatron_longstraw.rollout.online import CONTROLS
+
+        if self.rollout not in ("offline", "online"):
+            raise ValueError(f"longstraw rollout (--longstraw-rollout) must be 'offline' or "
+                             f"'online', got {self.rollout!r}.")
+        self.stop_ids = tuple(int(i) for i in self.stop_ids)
+        new = self.max_new_tokens or self.max_response_len
+        if new > self.max_response_len:
+            raise ValueError(f"longstraw max_new_tokens (--longstraw-max-new-tokens) {new} is more "
+                             f"than max_response_len {self.max_response_len}: raise "
+                             "--longstraw-max-response-len or generate fewer tokens.")
+        SamplingParams(max_new_tokens=new, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k)   # its checks name the bad value
+        if self.control not in CONTROLS:
+            raise ValueError(f"longstraw control (--longstraw-control) must be one of "
+                             f"{list(CONTROLS)}, got {self.control!r}.")
+        if self.control != "none" and (self.rollout != "online" or self.prompt_grad != "detached"):
+            raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
+                             "prompt state in the online loop: it needs --longstraw-rollout online "
+                             "and the detached prompt gradient.")
+        if self.rollout == "online" and self.reward is None:
+            raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
+                             "reward function (--longstraw-reward module:function, YAML "
+                             "longstraw.reward).")
+
+    def page_formats(self) -> dict[str, str]:
+        """Page kind -> storage format for the capture's `PageStore` (`formats`): "index_key" is
+        the GLM-5.2 mixer's kind (models/glm52/attention.py INDEX_KEY)."""
+        return {"index_key": self.index_key_pages} if self.index_key_pages != "model" else {}
+
+    def loss_config(self) -> GRPOLossConfig:
+        return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                              kl_coef=self.kl_coef, adv_eps=self.adv_eps,
+                              std_unbiased=self.std_unbiased)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "LongStrawConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown longstraw settings {unknown}; known: {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "LongStrawConfig":
+        """The step settings of a YAML's `longstraw:` section; its adapter keys (`ADAPTER_KEYS`, the
+        launcher's LoRA / QLoRA request, arguments.py) are not step settings and are skipped."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        section = data.get("longstraw", {}) or {}
+        return cls.from_dict({k: v for k, v in section.items() if k not in ADAPTER_KEYS})
+
+
+PROMPT_GRAD_MODES = ("detached", "exact")
+
+ADAPTER_KEYS = ("lora", "qlora", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                "lora_exclude", "fp8_base")
+"""YAML `longstraw:` keys that configure adapters (arguments.LORA_DEFAULTS), not the step."""

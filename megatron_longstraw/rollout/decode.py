@@ -1,0 +1,199 @@
+"""Generation from the captured prompt state (mode `decode`, docs/design.md section 2).
+
+The pages that capture wrote for training are exactly the KV cache decoding needs: MLA latent
+rows and DSA index keys, K/V rows, GDN's recurrent state and conv tail. `generate` samples G
+responses from them, so one prompt pass serves rollout and training:
+
+    capture(prompt)                              (or reuse the step's capture)
+    step t = 0, 1, ..: the G members' last tokens, one row each, run through the model together
+        token-wise work (projections, norms, FFN / MoE, the head) batched over the members;
+        each mixer appends the row's state to its member's branch cache (`DecodeCache`) and the
+        member's query attends over the prompt's pages plus its own cached rows (DSA: top-k over
+        the prompt's and the generated tokens' index keys; GDN: continues its member's state)
+    sample each member's next token (temperature, top-k, top-p; one generator per member, seeded from `seed`)
+
+No autograd; the prompt is never copied: pages are read as scoring reads them, and what grows is
+each member's cache of its generated rows ([max_new_tokens, ...] per layer and kind, allocated
+once). The log-probs returned are the model's (temperature 1, no truncation: what scoring
+computes for the same tokens, `tests/test_decode.py`); the sampling distribution's are returned
+beside them (what an engine reports when it samples with a temperature).
+
+Under context parallelism every rank of the CP group runs the same rows (the G members' tokens)
+and keeps the same branch caches; its pages are its prompt shard. Attention attends each query
+over this rank's shard (rank 0 also over the member's cache) and merges the ranks' partial
+outputs by log-sum-exp (`context_parallel.merge_replicated`, rank order on every rank: the same
+bits everywhere); DSA merges every rank's top-k candidates (`parallel.merge_topk_candidates`);
+GDN runs this rank's heads from its pages' state and gathers the heads' outputs; MoE dispatches
+each rank's copy of the rows (EP). So every rank samples the same tokens
+(`tests/test_decode.py`: CP2 and CP2/EP2 equal one process).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from megatron_longstraw.context.capture import CapturedPrompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.models.common import decoder_groups, embed, head_logits, run_group
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, attention_pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How `generate` picks each next token. `temperature` 0 is greedy; `top_k` 0 and `top_p` 1
+    keep every token; a member stops at `max_new_tokens` or after emitting one of `stop_ids`
+    (kept in its response, as engines return EOS)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: generate at least 1 token.")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature}: use a finite value >= 0 "
+                             "(0 = greedy).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: use a value in (0, 1] (1 keeps every token).")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: use 0 (off) or a positive count.")
+
+
+@dataclass
+class Generation:
+    """One member's response."""
+
+    token_ids: torch.Tensor
+    """[n] sampled ids (int64), a stop id included when one ended it."""
+    logprobs: torch.Tensor
+    """[n] the model's log-probs of them (temperature 1: what scoring computes)."""
+    sample_logprobs: torch.Tensor
+    """[n] log-probs under the sampling distribution (temperature, top-k, top-p applied)."""
+    stopped: bool
+    """True when a stop id ended it (False: `max_new_tokens` reached)."""
+
+
+@dataclass
+class DecodeCache:
+    """Each member's branch-local state, per (layer, kind): the rows its generated tokens wrote
+    (in buffers of `capacity` rows, filled in order), or a carried state (GDN). `members` are
+    the members whose rows the current step runs, in row order."""
+
+    capacity: int
+    members: list[int] = field(default_factory=list)
+    _rows: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
+    _count: dict[tuple[int, int, str], int] = field(default_factory=dict)
+    _carried: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
+
+    def append(self, row: int, layer: int, kind: str, rows: torch.Tensor) -> torch.Tensor:
+        """Append the current step's `rows` [1, ...] to the member of row `row`; -> all its rows
+        of (layer, kind) so far [n, ...] (a view of its buffer)."""
+        key = (self.members[row], layer, kind)
+        buffer = self._rows.get(key)
+        if buffer is None:
+            buffer = self._rows[key] = rows.new_empty((self.capacity, *rows.shape[1:]))
+        count = self._count.get(key, 0)
+        buffer[count:count + rows.shape[0]] = rows
+        self._count[key] = count + rows.shape[0]
+        return buffer[:count + rows.shape[0]]
+
+    def carried(self, row: int, layer: int, kind: str) -> torch.Tensor | None:
+        return self._carried.get((self.members[row], layer, kind))
+
+    def carry(self, row: int, layer: int, kind: str, tensor: torch.Tensor) -> None:
+        self._carried[(self.members[row], layer, kind)] = tensor
+
+
+def generate(model, captured: CapturedPrompt, num_members: int, params: SamplingParams,
+             cfg: LongStrawConfig) -> list[Generation]:
+    """Sample `num_members` responses continuing the captured prompt (module docstring)."""
+    if num_members < 1:
+        raise ValueError(f"num_members={num_members}: generate at least one response.")
+    device = next(model.parameters()).device
+    groups = decoder_groups(model)
+    cache = DecodeCache(capacity=params.max_new_tokens)
+    active = list(range(num_members))
+    last = [captured.last_token] * num_members
+    tokens: list[list[int]] = [[] for _ in range(num_members)]
+    logps: list[list[float]] = [[] for _ in range(num_members)]
+    sample_logps: list[list[float]] = [[] for _ in range(num_members)]
+    stopped = [False] * num_members
+    # One generator per member: a member's samples do not depend on when the others stop.
+    samplers = [torch.Generator(device="cpu").manual_seed(params.seed * 1_000_003 + m)
+                for m in range(num_members)]
+    stop_ids = set(params.stop_ids)
+    cp = CPPass(layout=captured.layout, global_len=captured.prefix_len,
+                prefix_positions=captured.positions.to(device))
+    with torch.no_grad():
+        for step in range(params.max_new_tokens):
+            cache.members = active
+            position = captured.prefix_len + step
+            state = AttentionPass(
+                mode="decode", positions=torch.full((len(active),), position, device=device),
+                pages=captured.pages, prefix_len=captured.prefix_len, cp=cp,
+                query_block=cfg.query_block, key_block=cfg.key_block, token_block=cfg.token_block,
+                decode=cache, member_selections=[{} for _ in active])
+            hidden = embed(model, torch.tensor([last[m] for m in active], device=device))
+            with attention_pass(state):
+                for group in groups:
+                    hidden = run_group(group, hidden)
+            logits = head_logits(model, hidden).double().cpu()              # [A, vocab]
+            model_logp = F.log_softmax(logits, dim=-1)
+            sample_logp = _sampling_logprobs(logits, params)
+            picked = _sample(sample_logp, params, [samplers[m] for m in active])
+            still = []
+            for row, member in enumerate(active):
+                token = int(picked[row])
+                tokens[member].append(token)
+                logps[member].append(float(model_logp[row, token]))
+                sample_logps[member].append(float(sample_logp[row, token]))
+                last[member] = token
+                if token in stop_ids:
+                    stopped[member] = True
+                else:
+                    still.append(member)
+            active = still
+            if not active:
+                break
+    return [Generation(torch.tensor(tokens[m], dtype=torch.long),
+                       torch.tensor(logps[m], dtype=torch.float64),
+                       torch.tensor(sample_logps[m], dtype=torch.float64), stopped[m])
+            for m in range(num_members)]
+
+
+def _sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs of the sampling distribution [A, vocab]: temperature, then top-k, then top-p
+    (the smallest set of most likely tokens whose probability reaches top_p), renormalised;
+    -inf outside. Greedy (temperature 0): 0 at the argmax."""
+    if params.temperature == 0:
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        probs, order = F.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs                   # mass of the more likely tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order,
+                                                                  before >= params.top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return F.log_softmax(logits, dim=-1)
+
+
+def _sample(logp: torch.Tensor, params: SamplingParams,
+            samplers: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row, each row from its member's generator (greedy: the argmax)."""
+    if params.temperature == 0:
+        return logp.argmax(-1)
+    return torch.stack([torch.multinomial(row.exp(), 1, generator=g)[0]
+                        for row, g in zip(logp, samplers)])

@@ -1,0 +1,74 @@
+"""The online loop's rollout (`--longstraw-rollout online`, docs/design.md section 2): per group of
+the step, the prompt is captured once under the current policy, G responses are generated from
+that capture (decode.py), the reward function scores them (rewards.py), and the training step
+scores, replays and back-propagates over the same capture. The state is captured again every
+step, so it is never stale; nothing of the prompt is computed twice.
+
+    for each of this replica's prompts (dataset.py order, global sample g):
+        captured  = capture_prompt(policy, prompt)            (+ backward inputs in exact mode)
+        responses = generate(policy, captured, G, seed + g)   (decode.py)
+        rewards   = reward_fn(prompt, response, text, meta)   (rewards.py; a failure stops the
+                                                              step before any update)
+    train_step(policy, groups, captures)                      (schedule.py: scoring, replay, ...)
+
+The engine log-probs of the generated responses (the group's `logps_old`) are the sampling
+distribution's (decode.Generation.sample_logprobs): with temperature 1 and no truncation they
+are the policy's, and the mismatch figures show decode against the trainer's scoring (~1e-15);
+otherwise the importance weight pi_old / pi_sample corrects for the sampling distribution
+(offpolicy.py, --longstraw-tis).
+
+`control="zeros"` (the demo's control run) replaces the captured prompt state with zeros before
+generation and training: the policy then sees nothing of the prompt but its last token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.rollout.decode import SamplingParams, generate
+from megatron_longstraw.grpo.loss import GRPOGroup
+from megatron_longstraw.rollout.rewards import compute_rewards
+
+CONTROLS = ("none", "zeros")
+
+
+@dataclass
+class Rollout:
+    """One group generated online, with the capture it came from."""
+
+    group: GRPOGroup
+    captured: CapturedPrompt
+    seconds: float
+    """Wall time of generation and rewards (capture: `captured.seconds`)."""
+
+
+def sampling_params(cfg: LongStrawConfig, seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens or cfg.max_response_len,
+                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          stop_ids=tuple(cfg.stop_ids), seed=seed)
+
+
+def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tokenizer=None,
+                  control: str = "none") -> Rollout:
+    """Capture `record`'s prompt (data.GroupRecord of a prompt line), generate `cfg.group_size`
+    responses from it with `seed`, reward them (module docstring)."""
+    prompt = record.group.prompt_ids
+    captured = capture_prompt(model, prompt, cfg, keep_for_backward=cfg.prompt_grad == "exact")
+    if control == "zeros":
+        captured.pages.zero_()
+    start = time.perf_counter()
+    generations = generate(model, captured, cfg.group_size, sampling_params(cfg, seed), cfg)
+    responses = [g.token_ids for g in generations]
+    source = getattr(record.group, "source", None) or f"line {record.line}"
+    name = source + (f" (id {record.id!r})" if record.id != record.line else "")
+    rewards = compute_rewards(reward_fn, prompt, responses, record.meta, None, tokenizer,
+                              record=name)
+    group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
+                      logps_old=[g.sample_logprobs for g in generations])
+    group.source = source
+    return Rollout(group, captured, time.perf_counter() - start)

@@ -1,0 +1,180 @@
+"""The per-pass state that state-aware attention layers read: which mode, at which positions, over
+which pages, with which top-k selections.
+
+Megatron's `TransformerLayer` calls `self_attention(hidden_states, attention_mask=..., ...)` with a
+fixed set of arguments; rather than threading LongStraw arguments through every Megatron signature,
+capture and replay install an `AttentionPass` for the duration of a pass (`with attention_pass(...)`),
+and the attention modules read it. Outside a pass, the attention layers run the plain full-sequence
+forward from position 0, so the model is still an ordinary Megatron model.
+
+Modes (`models/mixer.py` dispatches on them, once, for every mixer):
+- `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
+- `capture`: the current tokens are the prompt (this rank's whole shard); their state is written
+             to `pages` (no autograd). The whole-shard reference (`--longstraw-capture whole`).
+- `capture_block`: streamed capture (capture.py): the current tokens are one token block of the
+             prompt, this rank's rows [block_start, block_start + s). One process: earlier
+             blocks' state is in `pages` already: attention reads its key rows window by window
+             from the pages, GDN continues from the state stored there; the block's own state is
+             appended (no autograd). Under CP (`forward_capture_block_sharded`) the layer's rows
+             are written already (`capture_rows`) and exchanged (`streamed`): attention reads
+             every rank's rows window by window from host memory, GDN hands over its output
+             rows. Nothing on the device is of the prompt's size.
+- `capture_rows`: streamed capture under CP, a layer's first phase: the block's key rows are
+             appended to the pages (GDN: its input kept for the exchange); nothing attended.
+- `score`:   the current tokens are one response, keys the prompt pages plus the current tokens,
+             without autograd (pre-step scoring: logp_old, logp_ref, the DSA selections replay
+             reuses).
+- `replay`:  the same pass under autograd (one member's training graph).
+- `prompt_backward`: the prompt again, under autograd, one decoder layer at a time (exact prompt
+             gradient, prompt_backward.py). On one process, one token block at a time: the block's
+             queries attend over the layer's pages (key cotangents to the page buffers), and a
+             mixer that carries state (GDN) starts from `carried` and hands the state at the
+             block's end to `emitted`. Under CP (`forward_prompt_backward_sharded`), this rank's
+             whole shard: each mixer attends as in capture, with capture's selections, and hands
+             the differentiable state it would write to `emitted`.
+- `prompt_rows`: the prompt block's key rows (what capture wrote for it) as functions of its
+             input, handed to `emitted`; nothing is attended (the second half of a block of the
+             blockwise prompt backward).
+- `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
+             mixer appends a row's state to its member's branch cache and attends the member's
+             query over the prompt's pages plus that cache (no autograd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Optional
+
+import torch
+
+from megatron_longstraw.state.pages import PageStore
+from megatron_longstraw.distributed.parallel import CPLayout
+
+Mode = Literal["full", "capture", "capture_block", "capture_rows", "score", "replay",
+               "prompt_backward", "prompt_rows", "decode"]
+BRANCH_MODES = ("score", "replay")
+"""Modes whose current tokens are a response branch over captured pages."""
+
+
+@dataclass(frozen=True)
+class CPPass:
+    """The context-parallel part of a pass, fixed when the pass is made (`for_capture`,
+    `for_branch`); size 1 (the default) is one process holding everything."""
+
+    layout: CPLayout = field(default_factory=CPLayout)
+    """The CP group, size and this rank."""
+    global_len: int = 0
+    """Capture: tokens in the whole captured prefix (all ranks)."""
+    prefix_positions: Optional[torch.Tensor] = None
+    """Branch passes: global positions of this rank's captured rows (its pages, in order)."""
+    branch_positions: Optional[torch.Tensor] = None
+    """Branch passes: global positions of the whole (padded) branch, the same on every rank."""
+    branch_len: int = 0
+    """Branch passes: rows of the padded branch (CP * rows per rank)."""
+
+    @classmethod
+    def for_capture(cls, layout: CPLayout, global_len: int) -> "CPPass":
+        return cls(layout=layout, global_len=global_len)
+
+    @classmethod
+    def for_branch(cls, layout: CPLayout, prefix_positions: torch.Tensor, prefix_len: int,
+                   padded_len: int) -> "CPPass":
+        if layout.size == 1:
+            return cls(layout=layout)
+        branch = torch.arange(prefix_len, prefix_len + padded_len, device=prefix_positions.device)
+        return cls(layout=layout, prefix_positions=prefix_positions, branch_positions=branch,
+                   branch_len=padded_len)
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def group(self):
+        return self.layout.group
+
+
+@dataclass
+class AttentionPass:
+    mode: Mode
+    """What the attention layers do with their keys (see the module docstring)."""
+    positions: torch.Tensor
+    """[s] global positions of the current tokens (the prompt starts at 0, a response at P)."""
+    pages: Optional[PageStore] = None
+    """Captured prompt state: written in `capture`, read in `replay`."""
+    prefix_len: int = 0
+    """Number of captured prompt tokens that precede the current tokens (replay: P)."""
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    """DSA top-k per decoder layer: `[s, k]` int64 indices into `[prefix; current]` keys.
+    Filled by the layers that compute a selection; IndexShare layers read their source layer's.
+    `capture_block`: global key positions `[rows, k]` int32 in the pages' storage, of the latest
+    full indexer layer only (what IndexShare reads), filled block by block."""
+    reuse_selections: bool = False
+    """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
+    prompt_state_grad: bool = False
+    """Prompt pages read in this pass send their cotangents to the pages' buffers
+    (`PageStore.keep_grads`): the exact prompt-gradient mode (docs/design.md section 7)."""
+    emitted: Optional[dict[tuple[int, str], torch.Tensor]] = None
+    """`prompt_backward` / `prompt_rows`: each mixer's differentiable state by (layer, kind) (key
+    rows, or the carried state at the block's end), to be given their cotangents."""
+    carried: Optional[dict[str, Optional[torch.Tensor]]] = None
+    """Blockwise `prompt_backward`: the carried state by kind at the block's start (kept by
+    capture in `boundaries`; None: the zero start state), for a mixer that carries one (GDN)."""
+    decode: Optional[object] = None
+    """`decode`: the members' branch caches (`decode.DecodeCache`); row i of the current tokens is
+    member `decode.members[i]`'s newest token."""
+    member_selections: Optional[list[dict]] = None
+    """`decode`: per row, its member's DSA selections of this step (`decode.member_pass`)."""
+    boundaries: Optional[dict[int, list]] = None
+    """`capture` for the exact gradient on one process: per layer, the carried state (by kind) at
+    the start of each token block, appended by mixers that carry one."""
+    used_selections: Optional[dict[int, torch.Tensor]] = None
+    """When a dict, every layer records the top-k it attended with (tests, diagnostics)."""
+    query_block: int = 1024
+    """Queries per attention block (bounds the gathered `[block, k, d]` rows)."""
+    key_block: int = 4096
+    """Keys per indexer-score block (bounds the `[block_q, h_i, block_k]` scores)."""
+    token_block: int = 8192
+    """Tokens per chunk for token-wise work in capture (projections, FFN, MoE)."""
+    block_start: int = 0
+    """`capture_block` / `capture_rows`: this block's first row among this rank's captured rows
+    (its pages)."""
+    streamed: Optional[object] = None
+    """Streamed capture under CP: the layer's exchange through host memory
+    (`context_parallel.StreamedCapture`)."""
+    cp: CPPass = field(default_factory=CPPass)
+    """Context-parallel part (size 1: everything on this process); frozen."""
+
+
+def member_pass(state: AttentionPass, row: int) -> AttentionPass:
+    """`decode`: the pass seen by the query of row `row` in a decode step: its position, its member's own
+    top-k selections of this step (IndexShare layers read their source layer's for the same
+    member)."""
+    return AttentionPass(mode="decode", positions=state.positions[row:row + 1], pages=state.pages,
+                         prefix_len=state.prefix_len, selections=state.member_selections[row],
+                         query_block=state.query_block, key_block=state.key_block,
+                         token_block=state.token_block, cp=state.cp, decode=state.decode)
+
+
+
+_CURRENT: list[AttentionPass] = []
+
+
+@contextlib.contextmanager
+def attention_pass(state: AttentionPass) -> Iterator[AttentionPass]:
+    """Install `state` for the attention layers for the duration of the block."""
+    _CURRENT.append(state)
+    try:
+        yield state
+    finally:
+        _CURRENT.pop()
+
+
+def current_pass() -> Optional[AttentionPass]:
+    """The installed pass, or None (plain full-sequence forward)."""
+    return _CURRENT[-1] if _CURRENT else None

@@ -1,0 +1,362 @@
+"""The LongStraw GRPO step (docs/design.md section 2), in Megatron's forward-backward-function style.
+
+    capture(prompt)                         no autograd; pages hold what responses read
+    for i in 1..G: score(i)                 logp_old (and logp_ref), DSA selections recorded
+                                            (or the engine's: routing replay);
+                                            with the engine's log-probs: importance weights
+                                            and mismatch figures (offpolicy.py)
+    for i in 1..G: replay(i); backward      one member's graph alive at a time
+    (the above for each group of the step)  micro-batches: gradients accumulate
+    finalize grads; optimizer.step()        once (train_step)
+
+`forward_backward_longstraw` does everything up to the gradients (like Megatron's
+`forward_backward_no_pipelining`); `train_step` adds finalisation and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.grpo.loss import (  # GRPOGroup: re-exported, `schedule.GRPOGroup` still works
+    GRPOGroup,
+    group_advantages,
+    member_loss,
+    validate_group,
+)
+from megatron_longstraw.runtime import memory
+from megatron_longstraw.grpo import offpolicy
+from megatron_longstraw.training import routing_replay
+from megatron_longstraw.kernels import select
+from megatron_longstraw.distributed.parallel import CPLayout, any_rank, check_agreement, fail_together
+from megatron_longstraw.context.prompt_backward import prompt_backward
+from megatron_longstraw.training.replay import replay_member, score_member
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Total GRPO loss of the group (sum of member shares)."""
+    stats: dict[str, float]
+    """Mean reward, advantages, ratio and clip statistics, KL; with the engine's log-probs also
+    the mismatch figures (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl,
+    tis_frac)."""
+    logps: list[torch.Tensor]
+    """Per-member per-token log-probs from replay (current parameters)."""
+    logps_old: list[torch.Tensor]
+    """Per-member per-token log-probs from pre-step scoring (the PPO ratio's denominator)."""
+    token_weights: list[torch.Tensor] | None = None
+    """Per member: the engine-trainer importance weights [R_i] of the policy term (offpolicy.py),
+    None when the group carries no engine log-probs."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of capture, scoring, replay."""
+    page_bytes: int = 0
+    """Bytes of captured prompt state (all pages, this rank)."""
+    page_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    """`page_bytes` per page kind (`latent`, `index_key`; `gdn_state`, `conv_tail`, `key`,
+    `value`), summed over layers (and the reference policy's capture)."""
+    fixed_page_kinds: list[str] = field(default_factory=list)
+    """The kinds of `page_bytes_by_kind` whose size does not grow with the prompt (recurrent
+    state); every other kind holds rows per prompt token."""
+    selections: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    """Per member: each full indexer layer's top-k (global key positions) from scoring."""
+    skipped: bool = False
+    """train_step: the loss or the gradient was NaN / inf on some rank, so the optimizer did not
+    step (gradients dropped, weights and optimizer state untouched)."""
+    nonfinite_loss_ranks: list[int] = field(default_factory=list)
+    """When skipped: the ranks whose group's loss was not finite (empty: only the gradient)."""
+    nonfinite_groups: list[int] = field(default_factory=list)
+    """train_step: the positions, among this rank's groups, of those whose loss was not finite."""
+
+
+def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
+    """Reject bad input with a clear message before any work starts."""
+    vocab = model.vocab_size
+    if group.prompt_ids.dim() != 1 or group.prompt_ids.numel() == 0:
+        raise ValueError("The prompt must be a non-empty 1-D tensor of token ids, got shape "
+                         f"{tuple(group.prompt_ids.shape)}.")
+    responses = [torch.as_tensor(r) for r in group.response_ids]
+    validate_group([int(r.numel()) for r in responses], group.rewards, cfg.max_response_len)
+    if len(responses) != cfg.group_size:
+        raise ValueError(f"Got a group of {len(responses)} responses but --longstraw-group-size is "
+                         f"{cfg.group_size}; pass every member of the group or change the flag.")
+    longest = group.prompt_ids.numel() + max(r.numel() for r in responses)
+    if longest >= 2**31:  # positions (and the int32 DSA selections kept between phases)
+        raise ValueError(f"prompt + response is {longest} tokens; LongStraw positions must stay "
+                         "below 2^31.")
+    for name, ids in [("prompt", group.prompt_ids)] + [(f"response {i}", r) for i, r in enumerate(responses)]:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: token ids must be int32/int64, got {ids.dtype}.")
+        bad = ((ids < 0) | (ids >= vocab)).nonzero().flatten()
+        if bad.numel():
+            pos = int(bad[0])
+            raise ValueError(f"{name}: token id {int(ids[pos])} at position {pos} is outside the "
+                             f"vocabulary [0, {vocab}); check the tokenizer matches the model.")
+    if group.logps_old is not None:
+        for i, (lp, r) in enumerate(zip(group.logps_old, responses)):
+            if lp.shape != r.shape or not torch.isfinite(lp).all():
+                raise ValueError(f"response {i}: old log-probs must be finite with shape "
+                                 f"{tuple(r.shape)}, got shape {tuple(lp.shape)}.")
+    routing_replay.validate_group(model, group)   # the engine's routed_experts / dsa_topk
+
+
+def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
+                               forward_only: bool = False, loss_scale: float = 1.0,
+                               progress=None, captured=None) -> StepResult:
+    """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
+    `captured`: the group's prompt already captured under the current weights (the online loop
+    generated from it: rollout.py), used instead of a new capture (exact mode: captured with
+    `keep_for_backward`).
+
+    `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
+    prompt state differs); required when cfg.kl_coef > 0. `loss_scale` is 1/N when the optimizer
+    step averages N groups (across data-parallel replicas and/or several calls); gradients are
+    plain sums otherwise. Under context parallelism every rank of the CP group passes the same
+    group; each holds a partial gradient (finalize.py sums them). `progress(done, total)` reports
+    capture progress per decoder layer.
+    """
+    layout = CPLayout.current()
+    try:
+        validate_inputs(model, group, cfg)
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference policy: pass ref_model (or set "
+                             "--longstraw-kl-coef 0).")
+        local_error = None
+        if captured is not None:
+            _check_captured(captured, group, cfg, forward_only)
+    except ValueError as exc:
+        local_error = str(exc)
+    check_agreement(local_error, _fingerprint(group), layout)
+    select.use(cfg.kernels)
+    with fail_together():
+        return _step(model, group, cfg, ref_model, forward_only, loss_scale, progress, captured)
+
+
+def _check_captured(captured, group: GRPOGroup, cfg: LongStrawConfig, forward_only: bool) -> None:
+    """A given capture must be of this group's prompt (length and last token) and, for the exact
+    gradient, keep what the prompt backward needs."""
+    if (captured.prefix_len != group.prompt_ids.numel() - 1
+            or captured.last_token != int(group.prompt_ids[-1])):
+        raise ValueError(f"The given capture holds a prompt of {captured.prefix_len + 1} tokens "
+                         f"ending in {captured.last_token}, not this group's ("
+                         f"{group.prompt_ids.numel()} tokens ending in "
+                         f"{int(group.prompt_ids[-1])}): capture the group's own prompt.")
+    if (cfg.prompt_grad == "exact" and not forward_only and captured.prefix_len
+            and captured.backward is None):
+        raise ValueError("The exact prompt gradient needs a capture made with "
+                         "keep_for_backward=True.")
+
+
+def _fingerprint(group: GRPOGroup) -> dict:
+    """What every rank of a CP group must agree on (cheap to exchange)."""
+    try:
+        return _fingerprint_of(group)
+    except Exception:  # noqa: BLE001 - malformed input: validation reports it
+        return {"malformed": True}
+
+
+def _fingerprint_of(group: GRPOGroup) -> dict:
+    prompt = group.prompt_ids.long().reshape(-1)
+    weights = torch.arange(1, prompt.numel() + 1, dtype=torch.long) % 1009
+    return {
+        "prompt_len": int(prompt.numel()),
+        "prompt_checksum": int((prompt * weights).sum()),
+        "group_size": len(group.response_ids),
+        "response_lens": [int(torch.as_tensor(r).numel()) for r in group.response_ids],
+        "rewards": [float(r) for r in group.rewards],
+        "routing_replay": [getattr(group, f, None) is not None for f in routing_replay.FIELDS],
+    }
+
+
+def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
+          captured=None) -> StepResult:
+    timings: dict[str, float] = {}
+
+    exact = cfg.prompt_grad == "exact" and not forward_only
+    with memory.phase("capture"):
+        if captured is None:
+            captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress,
+                                      keep_for_backward=exact)
+        ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
+    timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
+
+    start = time.perf_counter()
+    with memory.phase("scoring"):
+        # Routing replay: the engine's DSA selections / MoE routing, when the group has them.
+        engine = [routing_replay.member_inputs(model, group, i, captured.prefix_len,
+                                               captured.layout)
+                  for i in range(len(group.response_ids))]
+        scored = [score_member(model, captured, r, cfg, *engine[i])
+                  for i, r in enumerate(group.response_ids)]
+        logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
+                     if ref_captured is not None else None)
+    # The PPO ratio's denominator is the trainer's own pre-step log-prob, never the engine's: a
+    # kernel or precision difference between the two would bias every ratio and clip decision.
+    # The engine's log-probs give per-token importance weights pi_old / pi_engine instead.
+    logps_old = [lp for lp, _ in scored]
+    weights, mismatch = _engine_correction(logps_old, group.logps_old, cfg)
+    timings["scoring"] = time.perf_counter() - start
+
+    loss_cfg = cfg.loss_config()
+    advantages = group_advantages(group.rewards.to(torch.float64), eps=loss_cfg.adv_eps,
+                                  std_unbiased=loss_cfg.std_unbiased)
+    num_members = len(group.response_ids)
+    start = time.perf_counter()
+    total, logps, member_stats = 0.0, [], []
+    with memory.phase("replay"):
+        for i, response in enumerate(group.response_ids):
+            args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
+                        num_tokens=int(response.numel()), loss_scale=loss_scale)
+            ref = logps_ref[i] if logps_ref else None
+            weight = weights[i] if weights else None
+
+            def share_loss(logp, tokens, i=i, args=args, ref=ref, weight=weight):
+                return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
+                                   logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
+                                   token_weight=None if weight is None else weight[tokens],
+                                   **args)[0]
+
+            logp = scored[i][0] if forward_only else replay_member(
+                model, captured, response, scored[i][1], cfg, share_loss,
+                routed_experts=engine[i][1])
+            # Whole-member loss and statistics from the gathered log-probs (reporting only).
+            loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
+                                      logp_ref=None if ref is None else ref.to(logp.dtype),
+                                      token_weight=weight, **args)
+            total += float(loss)
+            logps.append(logp)
+            member_stats.append(stats)
+    timings["replay"] = time.perf_counter() - start
+    if exact:
+        start = time.perf_counter()
+        with memory.phase("prompt_backward"):
+            prompt_backward(model, captured, cfg)
+        timings["prompt_backward"] = time.perf_counter() - start
+
+    stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    stats.update(mismatch)
+    stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])
+    by_kind: dict[str, int] = {}
+    for store in stores:
+        for kind, nbytes in store.bytes_by_kind().items():
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
+    fixed = [k for k in by_kind if any(k in store.fixed_kinds() for store in stores)]
+    return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
+                      token_weights=weights, phase_seconds=timings, page_bytes=sum(s.nbytes() for s in stores),
+                      page_bytes_by_kind=by_kind, fixed_page_kinds=fixed,
+                      selections=[sel for _, sel in scored])
+
+
+def _engine_correction(logps_old, logps_engine, cfg) -> tuple[list[torch.Tensor] | None, dict]:
+    """(per-member importance weights or None, mismatch figures) from the trainer's pre-step
+    log-probs and the engine's (offpolicy.py; nothing without the engine's)."""
+    if logps_engine is None:
+        return None, {}
+    pairs = [offpolicy.importance_weights(old, engine, cfg.tis, cfg.tis_cap)
+             for old, engine in zip(logps_old, logps_engine)]
+    mismatch = offpolicy.mismatch_stats(logps_old, logps_engine,
+                                        None if cfg.tis == "off" else [c for _, c in pairs])
+    return (None if cfg.tis == "off" else [w for w, _ in pairs]), mismatch
+
+
+def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Statistics of several groups (or replicas) as one: means over those that report a key
+    (the mismatch figures come only from groups with engine log-probs), max / min for the
+    extremes."""
+    keys = list(dict.fromkeys(k for s in stats for k in s))
+    merged = {}
+    for key in keys:
+        values = [s[key] for s in stats if key in s]
+        merged[key] = (max(values) if key.endswith("_max") else min(values)
+                       if key.endswith("_min") else sum(values) / len(values))
+    return merged
+
+
+def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
+    """Token-weighted means of the per-member statistics plus group-level reward figures."""
+    total = float(sum(lengths))
+    def mean(key):
+        return sum(float(s[key]) * n for s, n in zip(member_stats, lengths)) / total
+    return {
+        "reward_mean": float(rewards.double().mean()),
+        "reward_std": float(rewards.double().std(unbiased=False)),
+        "advantage_abs_mean": float(advantages.abs().mean()),
+        "clip_frac": mean("clip_frac"),
+        "ratio_mean": mean("ratio_mean"),
+        "ratio_max": max(float(s["ratio_max"]) for s in member_stats),
+        "ratio_min": min(float(s["ratio_min"]) for s in member_stats),
+        "kl": mean("kl"),
+    }
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """One StepResult for the groups of one optimizer step on this rank (micro-batches): losses
+    and phase times add up, statistics are means over the groups (ratio extremes: max / min),
+    per-member lists concatenate, page bytes are the largest group's (pages are freed between
+    groups)."""
+    if len(results) == 1:
+        return results[0]
+    stats = merge_stats([r.stats for r in results])
+    weights = [r.token_weights or [None] * len(r.logps) for r in results]
+    largest = max(results, key=lambda r: r.page_bytes)
+    return StepResult(
+        loss=sum(r.loss for r in results), stats=stats,
+        logps=[lp for r in results for lp in r.logps],
+        logps_old=[lp for r in results for lp in r.logps_old],
+        token_weights=([w for ws in weights for w in ws]
+                       if any(r.token_weights for r in results) else None),
+        phase_seconds={k: sum(r.phase_seconds.get(k, 0.0) for r in results)
+                       for k in results[0].phase_seconds},
+        page_bytes=largest.page_bytes, page_bytes_by_kind=dict(largest.page_bytes_by_kind),
+        fixed_page_kinds=list(largest.fixed_page_kinds),
+        selections=[sel for r in results for sel in r.selections])
+
+
+def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongStrawConfig,
+               ref_model=None, max_grad_norm: float | None = None, loss_scale: float = 1.0,
+               progress=None, captures=None) -> StepResult:
+    """One GRPO update: zero grads, forward_backward_longstraw for each of this rank's `groups`
+    (micro-batches: gradients accumulate, each group's loss times `loss_scale`), the corrected
+    finalisation (finalize.py: sums over CP/DP, experts on their owners), clipping, one optimizer
+    step; or no step when a loss or the gradient is not finite on some rank (`result.skipped`:
+    the caller stops or counts it, --check-for-nan-in-loss-and-grad). The result merges the
+    groups (`merge_results`); `nonfinite_groups` names the local ones whose loss was not
+    finite. `captures`: one capture per group, made under the current weights (the online
+    loop's: `forward_backward_longstraw(captured=)`), or None."""
+    from megatron_longstraw.distributed.finalize import clip_grads, finalize_longstraw_grads, grad_norm
+
+    groups = [groups] if isinstance(groups, GRPOGroup) else list(groups)
+    if not groups:
+        raise ValueError("train_step needs at least one group.")
+    optimizer.zero_grad(set_to_none=True)
+    captures = [None] * len(groups) if captures is None else list(captures)
+    results = [forward_backward_longstraw(model, group, cfg, ref_model=ref_model,
+                                          loss_scale=loss_scale, progress=progress,
+                                          captured=captured)
+               for group, captured in zip(groups, captures, strict=True)]
+    result = merge_results(results)
+    finalize_longstraw_grads(model)
+    result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
+                                 else grad_norm(model))
+    # A NaN / inf anywhere never reaches the weights: every rank agrees and none steps.
+    result.nonfinite_groups = [i for i, r in enumerate(results) if not math.isfinite(r.loss)]
+    loss_bad = bool(result.nonfinite_groups)
+    any_loss_bad, grad_bad = any_rank([loss_bad, not math.isfinite(result.stats["grad_norm"])])
+    if any_loss_bad or grad_bad:
+        optimizer.zero_grad(set_to_none=True)
+        result.skipped = True
+        if any_loss_bad and dist.is_initialized() and dist.get_world_size() > 1:
+            flags = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, loss_bad)
+            result.nonfinite_loss_ranks = [r for r, bad in enumerate(flags) if bad]
+        elif any_loss_bad:
+            result.nonfinite_loss_ranks = [0]
+        return result
+    optimizer.step()
+    return result
