@@ -10,7 +10,7 @@ from helpers import build_tiny_glm, build_tiny_qwen
 
 
 def _group(cfg, prompt_len, lens, seed):
-    from megatron_longstraw.training.schedule import GRPOGroup
+    from megatron_longstraw.data.group import GRPOGroup
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen)
@@ -229,7 +229,8 @@ def exact_gradient_worker(rank, cases, lens):
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
     from megatron_longstraw.distributed.parallel import global_name
-    from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.data.group import GRPOGroup
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
@@ -256,7 +257,8 @@ def decode_worker(rank, cases):
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.rollout.decode import SamplingParams, generate
+    from megatron_longstraw.rollout.decode import generate
+    from megatron_longstraw.config.sampling import SamplingParams
 
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:

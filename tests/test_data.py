@@ -11,7 +11,7 @@ import torch
 
 from megatron_longstraw.data.groups import (DataError, load_tokenizer, read_groups, read_records,
                                      synthetic_group, synthetic_jsonl, write_groups)
-from megatron_longstraw.training.schedule import GRPOGroup
+from megatron_longstraw.data.group import GRPOGroup
 
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "[BOS]"]   # id = index
 

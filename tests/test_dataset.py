@@ -15,7 +15,7 @@ import torch
 from megatron_longstraw.training import schedule, train
 from megatron_longstraw.data.groups import DataError, read_groups, synthetic_jsonl, write_groups
 from megatron_longstraw.data.dataset import GroupDataset, GroupSampler, epoch_order
-from megatron_longstraw.grpo.loss import GRPOGroup
+from megatron_longstraw.data.group import GRPOGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")

@@ -11,7 +11,8 @@ import torch
 from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.rollout.decode import SamplingParams, _sampling_logprobs, generate
+from megatron_longstraw.rollout.decode import _sampling_logprobs, generate
+from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.training.replay import score_member
 
 pytestmark = pytest.mark.usefixtures("single_process")

@@ -25,7 +25,8 @@ from helpers import ROOT, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.runtime import precision
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_longstraw.grpo.loss import grpo_loss
+from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.deepseekv3.config import DeepseekV3Config
 from megatron_longstraw.models.deepseekv3.hf import (
@@ -36,7 +37,8 @@ from megatron_longstraw.models.deepseekv3.hf import (
 )
 from megatron_longstraw.runtime.platform import manual_seed
 from megatron_longstraw.training.replay import score_member
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state

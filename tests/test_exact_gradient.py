@@ -8,8 +8,10 @@ import torch
 
 from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.grpo.loss import grpo_loss
+from megatron_longstraw.config.loss import GRPOLossConfig
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

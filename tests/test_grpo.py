@@ -11,13 +11,8 @@ import math
 import pytest
 import torch
 
-from megatron_longstraw.grpo.loss import (
-    GRPOLossConfig,
-    group_advantages,
-    grpo_loss,
-    member_loss,
-    validate_group,
-)
+from megatron_longstraw.grpo.loss import group_advantages, grpo_loss, member_loss, validate_group
+from megatron_longstraw.config.loss import GRPOLossConfig
 
 TOL = 1e-12
 F64 = torch.float64
@@ -274,7 +269,7 @@ def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
     from helpers import TINY_GLM, build_tiny_glm
     from megatron_longstraw.training import train
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.grpo.loss import GRPOGroup
+    from megatron_longstraw.data.group import GRPOGroup
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)

@@ -16,7 +16,8 @@ from megatron_longstraw.kernels import fp8
 from megatron_longstraw import planner
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.rollout.decode import SamplingParams, generate
+from megatron_longstraw.rollout.decode import generate
+from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.models.glm52.attention import INDEX_KEY
 from megatron_longstraw.models.mla import LATENT
 from megatron_longstraw.state.pages import PageStore

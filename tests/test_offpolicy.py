@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss, member_loss
+from megatron_longstraw.grpo.loss import grpo_loss, member_loss
+from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.grpo.offpolicy import importance_weights, mismatch_stats
 from megatron_longstraw.training.schedule import merge_stats
 
@@ -182,7 +183,7 @@ def test_step_line_shows_the_mismatch_only_when_present(capsys) -> None:
 def tiny_step(single_process):
     """A tiny fp64 GLM-5.2, a group of three, and the trainer's pre-step log-probs of it."""
     from helpers import build_tiny_glm
-    from megatron_longstraw.grpo.loss import GRPOGroup
+    from megatron_longstraw.data.group import GRPOGroup
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)
@@ -205,7 +206,7 @@ def _gradient(model, group, ls):
 
 
 def _with_engine(group, engine):
-    from megatron_longstraw.grpo.loss import GRPOGroup
+    from megatron_longstraw.data.group import GRPOGroup
 
     return GRPOGroup(group.prompt_ids, group.response_ids, group.rewards, logps_old=engine)
 

@@ -20,7 +20,8 @@ from megatron_longstraw.runtime.memory import SavedTensorMeter
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.distributed.parallel import CPLayout
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -260,7 +261,8 @@ def _qwen_replay_peak(model, captured, response, ls):
     rule's dropped final-state update saves count while they live, see
     planner.torch_chunk_delta_rule_saved; the meter holds them detached, so they no longer outlive
     the member, tests/test_memory.py.)"""
-    from megatron_longstraw.grpo.loss import GRPOLossConfig, member_loss
+    from megatron_longstraw.grpo.loss import member_loss
+    from megatron_longstraw.config.loss import GRPOLossConfig
     from megatron_longstraw.training.replay import replay_member
 
     num_tokens = response.numel()

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from helpers import build_tiny_qwen, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_longstraw.grpo.loss import grpo_loss
+from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE, LongStrawGatedDeltaNet
 from megatron_longstraw.training.replay import score_member
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

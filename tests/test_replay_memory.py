@@ -17,7 +17,8 @@ from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.runtime.memory import LiveBytesMeter
 from megatron_longstraw.state.pages import PageStore
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -17,7 +17,8 @@ from helpers import build_tiny_glm
 from megatron_longstraw.training import replay, routing_replay
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.groups import DataError, parse_line, read_groups, write_groups
-from megatron_longstraw.training.schedule import GRPOGroup, forward_backward_longstraw, validate_inputs
+from megatron_longstraw.training.schedule import forward_backward_longstraw, validate_inputs
+from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.state.attention_pass import current_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")

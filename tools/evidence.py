@@ -71,7 +71,7 @@ def build_model(dtype, seed: int, config: str, family: str = "glm52"):
 def make_group(vocab: int, prompt_len: int, lens: list[int], seed: int):
     import torch
 
-    from megatron_longstraw.training.schedule import GRPOGroup
+    from megatron_longstraw.data.group import GRPOGroup
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)

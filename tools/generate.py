@@ -74,7 +74,8 @@ def main(argv=None) -> list[dict]:
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.data.groups import load_tokenizer, read_line
     from megatron_longstraw.data.dataset import GroupDataset
-    from megatron_longstraw.rollout.decode import SamplingParams, generate
+    from megatron_longstraw.rollout.decode import generate
+    from megatron_longstraw.config.sampling import SamplingParams
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.rollout.rewards import compute_rewards, load_reward
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_longstraw.kernels import fp8
+from megatron_longstraw.kernels import fp8, select
 
 
 def megatron_linear_types() -> tuple[type, ...]:
@@ -113,7 +113,8 @@ class FP8Linear(nn.Module):
         """x: [s, b, in] -> (out [s, b, out], bias) as the replaced layer returns."""
         if args or kwargs:
             raise TypeError("an FP8 base layer takes only the input tensor")
-        out = fp8.matmul(x, self.weight_fp8, self.weight_scale_inv, self.row_parts)
+        out = select.kernels().fp8_matmul(x, self.weight_fp8, self.weight_scale_inv,
+                                          self.row_parts)
         if self.modelopt:   # modelopt Linear: bias always added (nn.Linear)
             out = out if self.bias is None else out + self.bias
             return out if self.return_bias else (out, None)
@@ -164,9 +165,10 @@ def apply_fp8_base(model: nn.Module, patterns: tuple[str, ...],
     (local `<linear>.weight` -> the checkpoint's FP8 weight), or, when `sources` is empty, the
     linears matching `patterns` (the family's `fp8_linears`), quantised here. Call it before
     `adapters.apply_lora`; the model's other parameters are untouched."""
-    from megatron_longstraw.adapters.lora import LoRALinear
-
-    if any(isinstance(m, (FP8Linear, LoRALinear)) for m in model.modules()):
+    # A linear already wrapped by adapters.apply_lora is a module with a `base` linear: lora.py
+    # builds on this module, so it is recognised by that shape, not by its class.
+    if any(isinstance(m, FP8Linear) or isinstance(getattr(m, "base", None), nn.Module)
+           for m in model.modules()):
         raise ValueError("apply_fp8_base runs once, before adapters.apply_lora.")
     linear_types = megatron_linear_types()
     sources = dict(sources or {})

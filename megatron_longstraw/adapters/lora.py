@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_longstraw.adapters.fp8_base import FP8Linear, fp8_modules, megatron_linear_types
 from megatron_longstraw.kernels import nf4
 from megatron_longstraw.kernels.nf4 import nf4_nbytes  # noqa: F401 (part of this module's API)
 
@@ -104,8 +105,6 @@ class LoRAConfig:
 
 
 def _linear_types() -> tuple[type, ...]:
-    from megatron_longstraw.adapters.fp8_base import FP8Linear, megatron_linear_types
-
     return (*megatron_linear_types(), FP8Linear)
 
 
@@ -115,8 +114,6 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, cfg: LoRAConfig, name: str, quantize_base: bool):
         super().__init__()
-        from megatron_longstraw.adapters.fp8_base import FP8Linear
-
         if isinstance(base, FP8Linear):
             if quantize_base:
                 raise ValueError(f"{name} is an FP8 base layer; QLoRA (NF4) and the FP8 base "
@@ -305,8 +302,6 @@ def _merged_check(model: nn.Module, what: str) -> None:
 
 def merge_adapters(model: nn.Module) -> None:
     """Fold scaling * B A into each (unquantised) base weight; forward then skips the adapters."""
-    from megatron_longstraw.adapters.fp8_base import FP8Linear
-
     for name, module in lora_modules(model):
         if module.quant_state is not None or isinstance(module.base, FP8Linear):
             kind = "an NF4" if module.quant_state is not None else "an FP8"
@@ -393,8 +388,6 @@ def merged_state_dict(model: nn.Module, device: torch.device | str | None = "cpu
     at a time (None: stay where they are); other entries are the model's own tensors. FP8 base
     layers (fp8_base.FP8Linear) give their dequantised weight (plus the adapters', when wrapped).
     The model is not modified."""
-    from megatron_longstraw.adapters.fp8_base import FP8Linear, fp8_modules
-
     wrappers = dict(lora_modules(model))
     _merged_check(model, "merged_state_dict")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_longstraw.grpo.loss import GRPOLossConfig
-from megatron_longstraw.grpo.offpolicy import check_tis
+from megatron_longstraw.config.loss import GRPOLossConfig, check_tis
+from megatron_longstraw.config.sampling import CONTROLS, SamplingParams
 from megatron_longstraw.state.pages import PAGE_FORMATS
 
 
@@ -138,9 +138,6 @@ class LongStrawConfig:
                              f"or 'longstraw:<name>', got {self.reward!r}.")
 
     def _check_rollout(self) -> None:
-        from megatron_longstraw.rollout.decode import SamplingParams
-        from megatron_longstraw.rollout.online import CONTROLS
-
         if self.rollout not in ("offline", "online"):
             raise ValueError(f"longstraw rollout (--longstraw-rollout) must be 'offline' or "
                              f"'online', got {self.rollout!r}.")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.data.groups import (
     DataError,
     GroupRecord,
@@ -37,7 +38,6 @@ from megatron_longstraw.data.groups import (
     parse_line,
     read_line,
 )
-from megatron_longstraw.grpo.loss import GRPOGroup
 
 
 class GroupDataset:

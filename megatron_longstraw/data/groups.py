@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_longstraw.data.group import GRPOGroup
+from megatron_longstraw.data.routing import FIELDS as ROUTING_FIELDS
+from megatron_longstraw.data.routing import check_values, member_tensor
 from megatron_longstraw.runtime.errors import InputNotFound, UserError
-from megatron_longstraw.grpo.loss import GRPOGroup
-from megatron_longstraw.training.routing_replay import FIELDS as ROUTING_FIELDS, check_values, member_tensor
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file")
 RESPONSE_FIELDS = ("responses", "response_ids")

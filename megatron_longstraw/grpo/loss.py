@@ -21,72 +21,19 @@ contribution *already scaled by* ``1/(G*R_i)``. Nothing divides again later:
 the group loss and its gradients are plain sums over members, which is exactly
 what :func:`grpo_loss` computes and what a per-member schedule must reproduce.
 
-:class:`GRPOGroup` is the input all of this is about (one prompt, its G responses and rewards);
-data.py reads it, schedule.py steps on it.
+:class:`GRPOGroup` (data/group.py) is the input all of this is about (one prompt, its G
+responses and rewards); data/groups.py reads it, training/schedule.py steps on it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRPOGroup", "GRPOLossConfig", "group_advantages", "member_loss", "grpo_loss",
-           "validate_group"]
+from megatron_longstraw.config.loss import GRPOLossConfig
 
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """Hyper-parameters of the GRPO loss.
-
-    clip_eps_low/high: ratio clip range ``[1-clip_eps_low, 1+clip_eps_high]``, each in [0, 1).
-    kl_coef: ``beta`` of the k3 KL penalty against the reference policy (0 disables it).
-    adv_eps: added to the reward std in the advantage denominator (> 0).
-    std_unbiased: False (default) uses the population std (divide by G); True divides by G-1.
-    """
-
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.0
-    adv_eps: float = 1e-6
-    std_unbiased: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high"):
-            v = getattr(self, name)
-            if not (0.0 <= v < 1.0):
-                raise ValueError(f"GRPOLossConfig.{name}={v!r} must be in [0, 1) (e.g. 0.2).")
-        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
-            raise ValueError(f"GRPOLossConfig.kl_coef={self.kl_coef!r} must be finite and >= 0 (0 disables KL).")
-        if not (self.adv_eps > 0.0 and math.isfinite(self.adv_eps)):
-            raise ValueError(f"GRPOLossConfig.adv_eps={self.adv_eps!r} must be finite and > 0 (e.g. 1e-6).")
-
-
-@dataclass
-class GRPOGroup:
-    """One prompt and its group of responses."""
-
-    prompt_ids: torch.Tensor
-    """[P] token ids of the shared prompt."""
-    response_ids: list[torch.Tensor]
-    """G tensors [R_i] of response token ids."""
-    rewards: torch.Tensor
-    """[G] scalar rewards."""
-    logps_old: list[torch.Tensor] | None = None
-    """Optional [R_i] log-probs from the inference engine that sampled the responses (the
-    JSONL's `logprobs_old`). They are not the PPO ratio's denominator (the trainer's own pre-step
-    scoring is): they give the engine-trainer importance weights and mismatch figures
-    (offpolicy.py, --longstraw-tis)."""
-    routed_experts: list[torch.Tensor] | None = None
-    """Optional [R_i, num_moe_layers, moe_topk] int expert ids the engine routed each response
-    token's branch row to, per MoE layer in order (the JSONL's `routed_experts`): scoring and
-    replay route with them (routing_replay.py)."""
-    dsa_topk: list[torch.Tensor] | None = None
-    """Optional [R_i, num_full_indexer_layers, k] int global key positions (-1: none) the engine's
-    DSA indexer selected for each response token's branch row, per full indexer layer in order
-    (the JSONL's `dsa_topk`): scoring and replay attend with them (routing_replay.py)."""
+__all__ = ["group_advantages", "member_loss", "grpo_loss", "validate_group"]
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:

@@ -37,18 +37,7 @@ import math
 
 import torch
 
-TIS_MODES = ("off", "truncate", "mask")
-
-
-def check_tis(mode: str, cap) -> None:
-    """ValueError naming the setting when `mode` or `cap` is not usable."""
-    if mode not in TIS_MODES:
-        raise ValueError(f"longstraw tis (--longstraw-tis) must be one of {list(TIS_MODES)}, got "
-                         f"{mode!r}.")
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) \
-            or cap < 1.0:
-        raise ValueError(f"longstraw tis_cap (--longstraw-tis-cap) must be a finite number >= 1 "
-                         f"(the largest pi_old / pi_engine weight, e.g. 2.0), got {cap!r}.")
+from megatron_longstraw.config.loss import check_tis
 
 
 def importance_weights(logp_old: torch.Tensor, logp_engine: torch.Tensor, mode: str,

@@ -234,8 +234,9 @@ def grad_input(grad_out: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
     return total.reshape(*grad_out.shape[:-1], in_features)
 
 
-class _FP8Matmul(torch.autograd.Function):
-    """x @ W^T by the selected kernel; dL/dx by `grad_input` (W frozen: no weight gradient)."""
+class FP8Matmul(torch.autograd.Function):
+    """x @ W^T by the given kernel (`apply(x, weight, scale_inv, row_parts, kernel)`; the selected
+    one: `select.kernels().fp8_matmul`); dL/dx by `grad_input` (W frozen: no weight gradient)."""
 
     @staticmethod
     def forward(ctx, x, weight, scale_inv, row_parts, kernel):
@@ -248,15 +249,6 @@ class _FP8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad_input(grad_out, ctx.weight, ctx.scale_inv, ctx.row_parts)
         return grad_x, None, None, None, None
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-           row_parts: int = 1) -> torch.Tensor:
-    """x: [..., in] -> [..., out] = x @ W^T through the active `fp8_gemm` kernel
-    (kernels/select.py), differentiable in x."""
-    from megatron_longstraw.kernels import select
-
-    return _FP8Matmul.apply(x, weight, scale_inv, row_parts, select.kernels().fp8_linear)
 
 
 def nbytes(out_features: int, in_features: int, parts: int = 1) -> int:

@@ -13,7 +13,7 @@ module each, take over the parts they implement:
     moe              MoE dispatch: moe_config_overrides()           deepep, ref
     dense            layer specs: dense_spec_provider()             te, ref
     optimizer        optimizer_class()                              apex, ref
-    fp8_gemm         fp8_linear: the FP8 base's GEMM (fp8.matmul)   ref (deepgemm: explicit only)
+    fp8_gemm         fp8_linear: the FP8 base's GEMM (fp8_matmul)   ref (deepgemm: explicit only)
 
 A spec is comma-separated items: one default (`auto`, `ref`, or a backend name, which takes the parts
 it implements and leaves the rest on ref) and `part=name` overrides, e.g. `auto`, `triton`,
@@ -270,6 +270,12 @@ class KernelSet:
         if torch.is_grad_enabled() and (query.requires_grad or latents.requires_grad):
             return self._sparse_mla_grad(query, latents, indices, scale, v_dim)
         return self._sparse_mla(query, latents, indices, scale, v_dim)
+
+    def fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                   row_parts: int = 1) -> torch.Tensor:
+        """x: [..., in] -> [..., out] = x @ W^T through `fp8_linear` (the active `fp8_gemm`
+        kernel), differentiable in x (`fp8.FP8Matmul`)."""
+        return fp8.FP8Matmul.apply(x, weight, scale_inv, row_parts, self.fp8_linear)
 
 
 def _build(choices: dict[str, str]) -> KernelSet:

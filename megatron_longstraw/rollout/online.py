@@ -26,15 +26,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
-from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.rollout.decode import SamplingParams, generate
-from megatron_longstraw.grpo.loss import GRPOGroup
+from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
+from megatron_longstraw.data.group import GRPOGroup
+from megatron_longstraw.rollout.decode import generate
 from megatron_longstraw.rollout.rewards import compute_rewards
-
-CONTROLS = ("none", "zeros")
 
 
 @dataclass

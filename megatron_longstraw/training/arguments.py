@@ -21,7 +21,7 @@ from megatron_longstraw.config.settings import ADAPTER_KEYS, LongStrawConfig
 from megatron_longstraw.runtime.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.models.registry import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
-from megatron_longstraw.grpo.offpolicy import TIS_MODES
+from megatron_longstraw.config.loss import TIS_MODES
 from megatron_longstraw.state.pages import PAGE_FORMATS
 
 # Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see

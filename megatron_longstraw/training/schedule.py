@@ -24,12 +24,9 @@ import torch.distributed as dist
 
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.grpo.loss import (  # GRPOGroup: re-exported, `schedule.GRPOGroup` still works
-    GRPOGroup,
-    group_advantages,
-    member_loss,
-    validate_group,
-)
+from megatron_longstraw.data.group import GRPOGroup
+from megatron_longstraw.data.routing import FIELDS as ROUTING_FIELDS
+from megatron_longstraw.grpo.loss import group_advantages, member_loss, validate_group
 from megatron_longstraw.runtime import memory
 from megatron_longstraw.grpo import offpolicy
 from megatron_longstraw.training import routing_replay
@@ -170,7 +167,7 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
         "group_size": len(group.response_ids),
         "response_lens": [int(torch.as_tensor(r).numel()) for r in group.response_ids],
         "rewards": [float(r) for r in group.rewards],
-        "routing_replay": [getattr(group, f, None) is not None for f in routing_replay.FIELDS],
+        "routing_replay": [getattr(group, f, None) is not None for f in ROUTING_FIELDS],
     }
 
 
