@@ -1,79 +1,146 @@
-"""The package's import floors, read from the source (AST, no imports run): the ground floor
-(platform, precision, parallel, pages, the norms, kernels/) reaches no model family, schedule,
-launcher or registry, even through imports inside functions; data.py does not reach the schedule;
-no import cycle among module-level imports."""
+"""The package's wings and their import order, read from the source (AST, no imports run).
+
+The package is a few folders (wings) whose order is the import order (`WINGS`, the same list as
+the package docstring and docs/design.md): a module imports only from its own wing or a wing
+before it, counting every import (module level, inside functions, under `if TYPE_CHECKING`).
+There is no import cycle, no module outside a wing, and no tool imports another tool."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "megatron_longstraw"
-GROUND = ("runtime.platform", "runtime.precision", "distributed.parallel", "state.pages",
-          "runtime.norms", "kernels")
-# Every model family is a folder of models/ with a family.py (the registry's records).
-FAMILIES = tuple(f"models.{p.parent.name}" for p in PKG.glob("models/*/family.py"))
-ABOVE = FAMILIES + ("training.schedule", "training.train", "context.capture", "training.replay",
-                    "models.registry", "models.mixer", "models.context_parallel", "models.mla")
+WINGS = ("runtime", "kernels", "distributed", "data", "state", "config", "models", "adapters",
+         "context", "rollout", "grpo", "checkpointing", "training", "planner")
 
 
-def _modules() -> dict[str, Path]:
+def package_modules(pkg: Path) -> dict[str, Path]:
+    """Dotted name (relative to the package) -> file, for every module of `pkg`."""
     out = {}
-    for path in PKG.rglob("*.py"):
-        parts = list(path.relative_to(PKG).with_suffix("").parts)
+    for path in pkg.rglob("*.py"):
+        parts = list(path.relative_to(pkg).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-MODULES = _modules()
-
-
-def _resolve(name: str) -> str | None:
-    name = name.removeprefix("megatron_longstraw").lstrip(".")
-    while name:
-        if name in MODULES:
-            return name
-        name = name.rpartition(".")[0]
-    return None
-
-
-def _imports(path: Path, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
+def imported_modules(path: Path, module: str, modules: dict[str, Path], pkg_name: str) -> set[str]:
+    """The package modules `path` imports anywhere in its body (relative imports resolved)."""
     found = set()
-    for node in tree.body if top_level_only else ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in (_resolve(n) for n in found if n.startswith("megatron_longstraw")) if m}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                here = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                base = ".".join([pkg_name, *here, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    resolved = set()
+    for name in found:
+        if name != pkg_name and not name.startswith(pkg_name + "."):
+            continue
+        name = name.removeprefix(pkg_name).lstrip(".")
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            resolved.add(name)
+    return resolved - {module}
 
 
-def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for dep in graph[todo.pop()] - seen:
-            seen.add(dep)
-            todo.append(dep)
-    return seen
+def import_graph(pkg: Path) -> dict[str, set[str]]:
+    modules = package_modules(pkg)
+    return {m: imported_modules(p, m, modules, pkg.name) for m, p in modules.items()}
 
 
-def _is(module: str, prefixes) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
+def upward_imports(graph: dict[str, set[str]], wings=WINGS) -> list[str]:
+    """'a -> b' for every import of a module in a later wing (or outside every wing)."""
+    def floor(module: str) -> int:
+        top = module.split(".")[0]
+        return wings.index(top) if top in wings else len(wings)
+
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m
+                  for d in deps if d and floor(d) > floor(m))
 
 
-def test_ground_floor_imports_nothing_above_it():
-    assert {"models.glm52", "models.qwen36"} <= set(FAMILIES)
-    graph = {m: _imports(p, top_level_only=False) - {m} for m, p in MODULES.items()}
-    ground = [m for m in MODULES if _is(m, GROUND)]
-    assert "runtime.platform" in ground and "kernels.refs" in ground
-    upward = {m: sorted(d for d in _reach(graph, m) if _is(d, ABOVE)) for m in ground}
-    assert not {m: u for m, u in upward.items() if u}
-    assert "training.schedule" not in _reach(graph, "data.groups")
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for dep in graph.get(todo.pop(), set()) - seen:
+                seen.add(dep)
+                todo.append(dep)
+        return seen
+
+    return sorted(m for m in graph if m in reach(m))
 
 
-def test_no_module_level_import_cycle():
-    graph = {m: _imports(p, top_level_only=True) - {m} for m, p in MODULES.items()}
-    cycles = [m for m in MODULES if m in _reach(graph, m)]
-    assert not cycles, cycles
+def test_every_module_is_in_a_wing_with_a_docstring():
+    modules = package_modules(PKG)
+    outside = sorted(m for m in modules if m and m.split(".")[0] not in WINGS)
+    assert not outside, f"modules outside the wings {WINGS}: {outside}"
+    for wing in WINGS:
+        init = PKG / wing / "__init__.py"
+        assert init.is_file(), f"wing {wing} has no __init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "Imports:" in doc, f"{init}: its docstring says what lives there and what it imports"
+
+
+def test_wing_order_is_the_documented_one():
+    """The package docstring and docs/design.md list the wings in the order this test enforces."""
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()))
+    listed = re.findall(r"^\s*([a-z_]+)/", doc, re.M)
+    assert tuple(listed) == WINGS, listed
+    design = (ROOT / "docs" / "design.md").read_text()
+    in_design = re.findall(r"^\| `([a-z_]+)/` \|", design, re.M)
+    assert tuple(in_design) == WINGS, in_design
+
+
+def test_no_import_points_up_a_wing():
+    graph = import_graph(PKG)
+    assert {"runtime.platform", "models.glm52.attention", "training.schedule"} <= set(graph)
+    assert not upward_imports(graph)
+
+
+def test_no_import_cycle():
+    assert not cycles(import_graph(PKG))
+
+
+def test_the_checks_see_imports_inside_functions(tmp_path):
+    """A planted upward import inside a function, and a cycle closed through one, are found."""
+    pkg = tmp_path / "megatron_longstraw"
+    for wing in ("runtime", "training"):
+        (pkg / wing).mkdir(parents=True)
+        (pkg / wing / "__init__.py").write_text('"""x. Imports: nothing."""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "training" / "loop.py").write_text("from megatron_longstraw.runtime import meter\n")
+    (pkg / "runtime" / "meter.py").write_text(
+        "def f():\n    from megatron_longstraw.training.loop import g\n    return g\n")
+    (pkg / "runtime" / "rel.py").write_text(
+        "def f():\n    from ..training import loop\n    return loop\n")
+    graph = import_graph(pkg)
+    assert upward_imports(graph) == ["runtime.meter -> training.loop", "runtime.rel -> training",
+                                     "runtime.rel -> training.loop"]
+    assert cycles(graph) == ["runtime.meter", "training.loop"]
+
+
+def _tool_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_tool_imports_another_tool():
+    tools = {p.stem for p in (ROOT / "tools").glob("*.py")} | {
+        p.name for p in (ROOT / "tools").iterdir() if (p / "__init__.py").is_file()}
+    crossing = {p.name: sorted(_tool_imports(p) & (tools - {p.stem}))
+                for p in (ROOT / "tools").glob("*.py")}
+    assert not {k: v for k, v in crossing.items() if v}

@@ -31,9 +31,10 @@ the CPU runs, Qwen3.6's default plan) is analytic: read off the code, not measur
 report labels each item so.
 
 A family is one function `(spec, prompt_len) -> Footprint` (`glm52` against this package's GLM-5.2
-model, `qwen36` against its Qwen3.6 model), named by the family's record (`Family.planner`,
-models/<family>/family.py); `FAMILIES` is that view of the registry
-(megatron_longstraw/models/registry.py).
+model, `qwen36` against its Qwen3.6 model), in the family's folder (models/<family>/planner.py)
+and named by its record (`Family.planner`, models/<family>/family.py); `FAMILIES` is that view of
+the registry (megatron_longstraw/models/registry.py); the vocabulary they share is
+models/footprint.py. Imports: every wing below (it reads the families through the registry).
 """
 
 from __future__ import annotations
