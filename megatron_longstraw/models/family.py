@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HFConversion:
-    """One family's Hugging Face <-> model-format conversion, by tensor name (tools/convert_hf.py
-    holds the shared reading, checking and writing; no model is built)."""
+    """One family's Hugging Face <-> model-format conversion, by tensor name (checkpointing/hf.py
+    holds the shared reading, checking and writing, tools/convert_hf.py the command line; no model
+    is built)."""
 
     title: str
     """What the family is on the HF side, for messages."""
@@ -101,7 +102,7 @@ class Family:
     full_config: str
     """The full-size example YAML (repository-relative): the planner's default."""
     hf: HFConversion
-    """Hugging Face conversion (tools/convert_hf.py)."""
+    """Hugging Face conversion (checkpointing/hf.py, tools/convert_hf.py)."""
     planner: PlannerEntry
     """Memory planner entry (megatron_longstraw/planner)."""
     fp8_linears: tuple[str, ...] = ()
