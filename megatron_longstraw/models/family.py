@@ -79,7 +79,8 @@ class Family:
     """The family's config dataclass (`from_dict`, `from_yaml`, `to_dict`; `FAMILY`: its title)."""
     build: Callable
     """(config, params_dtype, expert_parallel_size) -> model, with the selected kernel backends
-    (the launcher's, score.py's). Model-parallel state must be initialised."""
+    (the launcher's; checkpointing/model_source.py's, for tools/score.py and tools/generate.py).
+    Model-parallel state must be initialised."""
     build_model: Callable
     """(config, params_dtype, backend=None, **parallel_overrides) -> model: the family's model
     builder itself (models/<family>/model.py), the local spec unless `backend` is given and no
