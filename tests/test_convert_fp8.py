@@ -19,6 +19,7 @@ import torch
 from helpers import ROOT
 from megatron_longstraw.kernels import fp8
 from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.checkpointing.hf import hf_weight_files
 from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
@@ -115,8 +116,8 @@ def test_round_trip_is_bitwise_and_keeps_fp8(fp8_checkpoint, tmp_path):
     back = tmp_path / "hf"
     assert convert_hf.main(["--family", "glm52", "--hf-dir", str(back), "--out", str(out),
                             "--to-hf", "--max-shard-size", "200KB"]) == 0
-    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
-    assert len(convert_hf.hf_weight_files(back)) > 1
+    files = model_format.SafetensorsReader(hf_weight_files(back))
+    assert len(hf_weight_files(back)) > 1
     assert set(files) == set(original) and num_fp8 > 0
     for name, tensor in original.items():
         assert files[name].dtype == tensor.dtype, name

@@ -23,6 +23,7 @@ import torch
 
 from helpers import ROOT
 from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.checkpointing.hf import hf_weight_files
 from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.glm52.hf import hf_config
@@ -164,8 +165,8 @@ def test_back_to_hf_is_exact(hf_checkpoint, converted, tmp_path):
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     # The files: same names, dtypes and values as save_pretrained's.
-    ours = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
-    theirs = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    ours = model_format.SafetensorsReader(hf_weight_files(back))
+    theirs = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     assert set(ours) == set(theirs)
     assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in theirs)
     # transformers loads them into the same state dict, with the same config.
@@ -191,7 +192,7 @@ def test_unsupported_input_fails_clearly(hf_checkpoint, tmp_path):
 
     # One file with a tensor removed and an MTP layer added: MTP is skipped, the gap is reported.
     hf_dir, original = hf_checkpoint
-    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     tensors = {n: files[n] for n in files}
     tensors["model.layers.8.eh_proj.weight"] = torch.zeros(4, 4)
     broken = tmp_path / "broken"
@@ -274,8 +275,8 @@ def test_qwen36_back_to_hf_is_exact(qwen_checkpoint, qwen_converted, tmp_path):
                             "--max-shard-size", "150KB"]) == 0
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    ours = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
-    theirs = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    ours = model_format.SafetensorsReader(hf_weight_files(back))
+    theirs = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     assert set(ours) == set(theirs)
     assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in theirs)
     loaded = Qwen3_5ForCausalLM.from_pretrained(back).state_dict()
@@ -302,7 +303,7 @@ def test_qwen36_vision_language_layout_converts_its_text_model(qwen_checkpoint, 
     model.language_model.*, config under text_config; the vision tower and the MTP head are
     skipped, the result equals the text checkpoint's, and --to-hf gives a text-only model."""
     hf_dir, _ = qwen_checkpoint
-    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     tensors = {n.replace("model.", "model.language_model.", 1): files[n] for n in files}
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
@@ -320,13 +321,13 @@ def test_qwen36_vision_language_layout_converts_its_text_model(qwen_checkpoint, 
                             str(out), "--to-hf"]) == 0
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["model_type"] == "qwen3_5_text" and back["architectures"] == ["Qwen3_5ForCausalLM"]
-    assert set(model_format.SafetensorsReader(convert_hf.hf_weight_files(tmp_path / "back"))) == set(files)
+    assert set(model_format.SafetensorsReader(hf_weight_files(tmp_path / "back"))) == set(files)
 
 
 def test_qwen36_bad_input_fails_clearly(qwen_checkpoint, converted, tmp_path):
     hf_dir, _ = qwen_checkpoint
     config = json.loads((hf_dir / "config.json").read_text())
-    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     tensors = {n: files[n] for n in files}
 
     def fails(folder, match):

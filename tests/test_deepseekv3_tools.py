@@ -19,6 +19,7 @@ import torch
 
 from helpers import ROOT
 from megatron_longstraw.checkpointing import model_format
+from megatron_longstraw.checkpointing.hf import hf_weight_files
 from megatron_longstraw.models.deepseekv3.hf import hf_config
 from test_deepseekv3 import TOL, tiny_config, upcast_reference
 
@@ -126,8 +127,8 @@ def test_back_to_hf_is_exact(hf_checkpoint, converted, tmp_path):
     assert convert_hf.main(["--family", "deepseekv3", "--hf-dir", str(back), "--out",
                             str(converted), "--to-hf", "--dtype", "fp32",
                             "--max-shard-size", "200KB"]) == 0
-    ours = model_format.SafetensorsReader(convert_hf.hf_weight_files(back))
-    theirs = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    ours = model_format.SafetensorsReader(hf_weight_files(back))
+    theirs = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     assert set(ours) == set(theirs)
     assert all(ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]) for n in theirs)
     loaded = DeepseekV3ForCausalLM.from_pretrained(back).state_dict()
@@ -141,7 +142,7 @@ def test_mtp_layers_are_skipped_and_gaps_reported(hf_checkpoint, tmp_path):
     from safetensors.torch import save_file
 
     hf_dir, _ = hf_checkpoint
-    files = model_format.SafetensorsReader(convert_hf.hf_weight_files(hf_dir))
+    files = model_format.SafetensorsReader(hf_weight_files(hf_dir))
     tensors = {n: files[n] for n in files}
     tensors["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)   # DeepSeek-V3's MTP layer 61
     broken = tmp_path / "mtp"

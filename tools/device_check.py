@@ -49,7 +49,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-if str(REPO / "tools") not in sys.path:   # the sections, tools/device_checks/ (for importers)
+if str(REPO / "tools") not in sys.path:   # this tool's own sections, tools/device_checks/
     sys.path.append(str(REPO / "tools"))
 
 import torch  # noqa: E402

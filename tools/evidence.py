@@ -40,44 +40,7 @@ FP64_TOL = 1e-9
 PLANNER_TOL = 0.15
 
 
-# ---- shared pieces ------------------------------------------------------------------------------
-
-
-def build_model(dtype, seed: int, config: str, family: str = "glm52"):
-    """The tiny model of `family` (its record's `build_model`: the local spec) with reproducible
-    non-trivial weights (router correction bias, norm gains)."""
-    import torch
-
-    from megatron_longstraw.runtime import precision
-    from megatron_longstraw.models.registry import get_family
-    from megatron_longstraw.runtime.platform import manual_seed
-
-    manual_seed(seed)
-    precision.use_dtype(dtype)
-    entry = get_family(family)
-    cfg = entry.config_class.from_yaml(config)
-    model = entry.build_model(cfg, params_dtype=dtype)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen, dtype=buf.dtype))
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
-    return cfg, model
-
-
-def make_group(vocab: int, prompt_len: int, lens: list[int], seed: int):
-    import torch
-
-    from megatron_longstraw.data.group import GRPOGroup
-
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
-    responses = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
-    rewards = torch.linspace(-1.0, 1.0, len(lens), dtype=torch.float64) ** 3
-    return GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards)
+# ---- shared pieces (the model: models/seeded.py; groups: data/groups.py random_group) --------
 
 
 def longstraw_cfg(args, group_size: int, **kw):
@@ -156,7 +119,9 @@ def rank_main(rank, world, init_file, args, state_path, results):
     try:
         import torch
 
+        from megatron_longstraw.data.groups import random_group
         from megatron_longstraw.distributed import parallel
+        from megatron_longstraw.models.seeded import build_seeded_model
         from megatron_longstraw.runtime.memory import SavedTensorMeter, peak_rss_bytes
         from megatron_longstraw.training.schedule import forward_backward_longstraw, train_step
 
@@ -164,13 +129,13 @@ def rank_main(rank, world, init_file, args, state_path, results):
                             init_method=f"file://{init_file}")
         out = {"rank": rank}
         # Levels 2 and 3: the fp64 step from the reference weights.
-        cfg, model = build_model(torch.float64, args.seed, args.config, args.family)
+        cfg, model = build_seeded_model(torch.float64, args.seed, args.config, args.family)
         parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
-        group = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
+        group = random_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
         out["step"] = update_step(model, cfg, group, longstraw_cfg(args, len(args.response_lens)))
         # Level 1: saved bytes without checkpointing (the per-layer working sets), small group.
-        cfg32, model32 = build_model(torch.float32, args.seed, args.config, args.family)
-        small = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
+        cfg32, model32 = build_seeded_model(torch.float32, args.seed, args.config, args.family)
+        small = random_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
         with SavedTensorMeter(model32) as meter:
             forward_backward_longstraw(model32, small, longstraw_cfg(
                 args, len(args.response_lens), checkpoint_layers=False))
@@ -178,7 +143,7 @@ def rank_main(rank, world, init_file, args, state_path, results):
         # Level 1: the capacity step (fp32, whole-layer checkpointing, optimizer step).
         model32.zero_grad(set_to_none=True)
         lens = [args.capacity_response_len] * args.capacity_group_size
-        big = make_group(cfg.vocab_size, args.capacity_prompt_len, lens, args.seed + 11)
+        big = random_group(cfg.vocab_size, args.capacity_prompt_len, lens, args.seed + 11)
         ls = longstraw_cfg(args, len(lens))
         ls.max_response_len = args.capacity_response_len
         ls.query_block, ls.key_block, ls.token_block = 1024, 8192, 8192
@@ -311,6 +276,8 @@ def evidence(args) -> dict:
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw import planner
     from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.data.groups import random_group
+    from megatron_longstraw.models.seeded import build_seeded_model
     from megatron_longstraw.training.replay import score_member
 
     if args.family != "glm52":
@@ -318,9 +285,9 @@ def evidence(args) -> dict:
                          "(level 1 against planner.glm52_replay_saved, routed experts on the EP "
                          "ranks); Qwen3.6's CP checks are tests/test_qwen36_distributed.py.")
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.seed)
-    cfg, model = build_model(torch.float64, args.seed, args.config, args.family)
+    cfg, model = build_seeded_model(torch.float64, args.seed, args.config, args.family)
     state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    group = make_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
+    group = random_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
     rows = []
 
     # Level 2 (one process): scoring/replay log-probs against the full-sequence forward.

@@ -27,12 +27,10 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
+from megatron_longstraw.checkpointing.model_source import (
+    DTYPES, build_model, load_weights, model_config, resolve_model_source,
+)
 from megatron_longstraw.models.registry import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from score import DTYPES, build_model, load_checkpoint, model_config, resolve_model_source  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -80,7 +78,7 @@ def main(argv=None) -> list[dict]:
     from megatron_longstraw.rollout.rewards import compute_rewards, load_reward
 
     with errors.configuration():
-        family, source = resolve_model_source(args)
+        family, source = resolve_model_source(args.family, args.config, args.checkpoint)
         cfg = model_config(family, source)
         ls = longstraw_config_from_yaml(args.config) if args.config else LongStrawConfig()
         base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -91,7 +89,7 @@ def main(argv=None) -> list[dict]:
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.init_seed)
     model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], 1)
     if args.checkpoint:
-        load_checkpoint(model, args.checkpoint, num_experts)
+        load_weights(model, args.checkpoint, num_experts)
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts = GroupDataset(args.input, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,

@@ -30,7 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 GROUPS = (("indexer", ("indexer",)), ("embeddings", ("embedding",)),
           ("head", ("output_layer", "final_norm")),
@@ -68,16 +67,17 @@ def compare(detached: dict, exact: dict) -> dict:
 
 
 def build(args, trainable: str, dtype):
-    """The family's tiny model with reproducible weights (evidence.build_model); with
+    """The family's tiny model with reproducible weights (models/seeded.py); with
     `trainable == "lora"`, LoRA adapters on the family's targets, B drawn small (not its zero
     init) so that both factors have gradients, as after some training."""
     import torch
 
-    from evidence import build_model
     from megatron_longstraw.models.registry import get_family
+    from megatron_longstraw.models.seeded import build_seeded_model
 
     family = get_family(args.family)
-    cfg, model = build_model(dtype, args.seed, args.config or family.tiny_config, args.family)
+    cfg, model = build_seeded_model(dtype, args.seed, args.config or family.tiny_config,
+                                    args.family)
     if trainable == "lora":
         from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora
 
@@ -100,10 +100,10 @@ def longstraw_config(args, group_size: int, mode: str):
 
 def group_for(args, vocab: int, prompt_len: int, group_size: int, seed: int):
     """A synthetic group: responses of varied length up to --response-len, spread rewards."""
-    from evidence import make_group
+    from megatron_longstraw.data.groups import random_group
 
     lens = [max(1, args.response_len * (i + 1) // group_size) for i in range(group_size)]
-    return make_group(vocab, prompt_len, lens, seed)
+    return random_group(vocab, prompt_len, lens, seed)
 
 
 def gradients(model, group, cfg) -> tuple[dict, float]:

@@ -31,219 +31,14 @@ import argparse
 import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
-import torch
-
+from megatron_longstraw.checkpointing.model_source import (
+    DTYPES, build_model, expert_parallel_size, load_weights, model_config, resolve_model_source,
+)
 from megatron_longstraw.models.registry import FAMILIES
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-# ---- models -------------------------------------------------------------------------------------
-
-
-def expert_parallel_size(family: str, context_parallel_size: int) -> int:
-    """EP folded on the CP ranks, as far as the family's model has experts to shard."""
-    from megatron_longstraw.models.registry import get_family
-
-    limit = get_family(family).max_expert_parallel_size
-    return context_parallel_size if limit is None else min(context_parallel_size, limit)
-
-
-def model_config(family: str, config):
-    """`family`'s model config from the `model:` section of the YAML at `config`, a config dict (a
-    model-format directory's longstraw.json "model"), or a config object (returned as is)."""
-    from megatron_longstraw.models.registry import get_family
-
-    config_class = get_family(family).config_class
-    if isinstance(config, dict):
-        return config_class.from_dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return config_class.from_yaml(config)
-    return config
-
-
-def build_model(family: str, config, dtype: torch.dtype, expert_parallel_size: int = 1):
-    """(model config, model, number of routed experts) of `family` from `config` (`model_config`:
-    a YAML path, a config dict or object), built by the family's registry record (model-parallel
-    state initialised)."""
-    from megatron_longstraw.runtime import precision
-    from megatron_longstraw.models.registry import get_family
-
-    entry = get_family(family)
-    cfg = model_config(family, config)
-    precision.use_dtype(dtype)
-    model = entry.build(cfg, dtype, expert_parallel_size)
-    return cfg, model, entry.num_routed_experts(cfg)
-
-
-def load_checkpoint(model, path: str | Path, num_experts: int) -> Path:
-    """Load a plugin-format checkpoint (a directory with `model.safetensors` holding the
-    single-process Megatron state dict, or that file itself) into `model` (this rank's experts).
-    A model-format directory's longstraw.json must describe the model built."""
-    from safetensors.torch import load_file
-
-    from megatron_longstraw.checkpointing import model_format
-    from megatron_longstraw.distributed import parallel
-    from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
-
-    path = Path(path)
-    file = path / "model.safetensors" if path.is_dir() else path
-    if not file.is_file():
-        raise InputNotFound(f"--checkpoint {path}: no model.safetensors there; pass a "
-                            "checkpoint directory written by the plugin (or --random-init).")
-    if path.is_dir() and model_format.is_model_format(path):
-        meta = model_format.read_meta(path / model_format.MODEL_META, model_format.MODEL_FORMAT)
-        model_format.check_model_config(meta, model, path / model_format.MODEL_META)
-    full = load_file(str(file))
-    for name, tensor in model.state_dict().items():
-        source = full.get(parallel.global_name(name, num_experts))
-        if source is not None and source.shape != tensor.shape:
-            raise CheckpointError(f"--checkpoint {file}: {name} has shape "
-                                  f"{tuple(source.shape)} there but {tuple(tensor.shape)} in the "
-                                  "model built from --config; the config does not match the "
-                                  "checkpoint.")
-    parallel.load_full_state_dict(model, full, num_experts)
-    return file
-
-
-# ---- scoring ------------------------------------------------------------------------------------
-
-
-class MismatchStats:
-    """Running comparison of our per-token log-probs with the engine's (diff = ours - old)."""
-
-    def __init__(self, threshold: float = 0.1, num_worst: int = 10):
-        self.threshold, self.num_worst = threshold, num_worst
-        self.num_tokens, self.num_over = 0, 0
-        self.sum_abs, self.sum_diff, self.max_abs = 0.0, 0.0, 0.0
-        self.worst: list[dict] = []
-
-    def add(self, logp: torch.Tensor, logp_old: torch.Tensor, response_ids: torch.Tensor,
-            group_id, member_idx: int, prompt_len: int) -> None:
-        """One member: logp, logp_old, response_ids [R]."""
-        diff = logp.double() - logp_old.double()
-        abs_diff = diff.abs()
-        self.num_tokens += diff.numel()
-        self.num_over += int((abs_diff > self.threshold).sum())
-        self.sum_abs += float(abs_diff.sum())
-        self.sum_diff += float(diff.sum())
-        self.max_abs = max(self.max_abs, float(abs_diff.max()))
-        order = torch.argsort(abs_diff, descending=True, stable=True)[:self.num_worst]
-        self._keep([{"id": group_id, "member_idx": member_idx, "token_idx": int(t),
-                     "position": prompt_len + int(t), "token_id": int(response_ids[t]),
-                     "logprob": float(logp[t]), "logprob_old": float(logp_old[t]),
-                     "diff": float(diff[t])} for t in order])
-
-    def merge(self, other: "MismatchStats") -> None:
-        self.num_tokens += other.num_tokens
-        self.num_over += other.num_over
-        self.sum_abs += other.sum_abs
-        self.sum_diff += other.sum_diff
-        self.max_abs = max(self.max_abs, other.max_abs)
-        self._keep(other.worst)
-
-    def _keep(self, entries: list[dict]) -> None:
-        # Stable sort: among equal |diff|, earlier groups / members / tokens come first.
-        self.worst = sorted(self.worst + entries, key=lambda e: -abs(e["diff"]))[:self.num_worst]
-
-    def summary(self) -> dict:
-        n = max(self.num_tokens, 1)
-        return {"num_tokens": self.num_tokens, "max_abs_diff": self.max_abs,
-                "mean_abs_diff": self.sum_abs / n, "mean_diff": self.sum_diff / n,
-                "threshold": self.threshold, "frac_abs_diff_over_threshold": self.num_over / n,
-                "worst": list(self.worst)}
-
-
-def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
-                overall: MismatchStats | None = None, log=None):
-    """Yield one result dict per group. `groups`: `GroupRecord`s (megatron_longstraw.data.groups) or
-    `GRPOGroup`s (id: their index). `cfg`: LongStrawConfig (block sizes). `overall` accumulates
-    the mismatch over all groups that carry logps_old. Under CP every rank passes the same groups
-    and gets the same results."""
-    from megatron_longstraw.context.capture import capture_prompt
-    from megatron_longstraw.kernels import select
-    from megatron_longstraw.training import routing_replay
-    from megatron_longstraw.training.replay import score_member
-
-    select.use(cfg.kernels)
-    for idx, item in enumerate(groups):
-        group, group_id = getattr(item, "group", item), getattr(item, "id", idx)
-        prompt_len = int(group.prompt_ids.numel())
-        start = time.perf_counter()
-        try:
-            routing_replay.validate_group(model, group)   # the engine's routing, when given
-            with torch.no_grad():
-                captured = capture_prompt(model, group.prompt_ids, cfg)
-                logps = [score_member(model, captured, r, cfg, *routing_replay.member_inputs(
-                             model, group, i, captured.prefix_len, captured.layout))[0]
-                         for i, r in enumerate(group.response_ids)]
-            del captured
-        except ValueError as exc:
-            raise ValueError(f"group {group_id!r}: {exc}") from exc
-        result = {"id": group_id, "prompt_len": prompt_len,
-                  "response_lens": [int(r.numel()) for r in group.response_ids],
-                  "logprobs": [lp.double().tolist() for lp in logps],
-                  "logprob_sum": [float(lp.double().sum()) for lp in logps],
-                  "logprob_mean": [float(lp.double().mean()) for lp in logps]}
-        if group.logps_old is not None:
-            stats = MismatchStats(threshold, num_worst)
-            for member_idx, (lp, old, ids) in enumerate(zip(logps, group.logps_old,
-                                                            group.response_ids)):
-                stats.add(lp, old, ids, group_id, member_idx, prompt_len)
-            result["mismatch"] = stats.summary()
-            if overall is not None:
-                overall.merge(stats)
-        if log is not None:
-            log(f"group {group_id}: prompt {prompt_len} tokens, {len(logps)} responses, "
-                f"{time.perf_counter() - start:.1f} s")
-        yield result
-
-
-def score_groups(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10) -> list[dict]:
-    """Per-group results of `iter_scores` as a list."""
-    return list(iter_scores(model, groups, cfg, threshold, num_worst))
-
-
-def _agreed(records, layout):
-    """Yield records; under CP the ranks first agree that they read the same group (or the same
-    end of file), and a rank that failed to read takes every rank down with its message."""
-    from megatron_longstraw.distributed.parallel import check_agreement
-
-    records = iter(records)
-    while True:
-        record, error, own = None, None, None
-        try:
-            record = next(records)
-        except StopIteration:
-            pass
-        except (ValueError, OSError) as exc:
-            if layout.size == 1:
-                raise
-            error, own = str(exc), exc
-        if layout.size > 1:
-            try:
-                check_agreement(error, _fingerprint(record), layout)
-            except ValueError:
-                if own is not None:   # this rank's own error (a DataError names file and line)
-                    raise own from None
-                raise
-        if record is None:
-            return
-        yield record
-
-
-def _fingerprint(record) -> dict:
-    if record is None:
-        return {"end_of_file": True}
-    prompt = record.group.prompt_ids.long()
-    weights = torch.arange(1, prompt.numel() + 1) % 1009
-    return {"id": record.id, "line": record.line, "prompt_len": int(prompt.numel()),
-            "prompt_checksum": int((prompt * weights).sum()),
-            "response_lens": [int(r.numel()) for r in record.group.response_ids]}
+from megatron_longstraw.training.scoring import MismatchStats, agreed_records, iter_scores
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -279,39 +74,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def resolve_model_source(args) -> tuple[str, str | dict]:
-    """(family, model config: the --config YAML path or longstraw.json's "model" dict) from the
-    flags and, where they are left out, the --checkpoint model-format directory."""
-    from megatron_longstraw.checkpointing import model_format
-    from megatron_longstraw.runtime.errors import CheckpointError, ConfigError
-
-    meta = None
-    if args.checkpoint and model_format.is_model_format(args.checkpoint):
-        meta = model_format.read_meta(Path(args.checkpoint) / model_format.MODEL_META,
-                                      model_format.MODEL_FORMAT)
-    if meta is None and (args.family is None or args.config is None):
-        missing = " and ".join(f for f, v in (("--family", args.family),
-                                              ("--config", args.config)) if v is None)
-        source = ("--random-init" if args.random_init else
-                  f"--checkpoint {args.checkpoint} is not a model-format directory (no "
-                  f"{model_format.MODEL_META})")
-        raise ConfigError(f"{missing} needed: {source}, so nothing says which model to build; "
-                          "pass them, or a tools/convert_hf.py output as --checkpoint.")
-    family = args.family or meta.get("family")
-    if meta is not None and meta.get("family") != family:
-        raise CheckpointError(f"--checkpoint {args.checkpoint} holds a {meta.get('family')!r} "
-                              f"model, not --family {family}.")
-    if family not in FAMILIES:
-        raise CheckpointError(f"--checkpoint {args.checkpoint}: family {family!r} is not one "
-                              f"of {sorted(FAMILIES)}.")
-    if args.config is not None:
-        return family, args.config
-    if not isinstance(meta.get("model"), dict):
-        raise CheckpointError(f"{Path(args.checkpoint) / model_format.MODEL_META}: no \"model\" "
-                              "config; pass --config.")
-    return family, meta["model"]
-
-
 def main(argv=None) -> dict:
     """The tool (module docstring); raises user errors (errors.py) like the launcher, which
     `__main__` reports as one line with exit code 2."""
@@ -328,7 +90,7 @@ def main(argv=None) -> dict:
 
     configure_logging()
     with errors.configuration():   # flags, YAML, the model config's values
-        family, source = resolve_model_source(args)
+        family, source = resolve_model_source(args.family, args.config, args.checkpoint)
         cfg = model_config(family, source)
         ls = longstraw_config_from_yaml(args.config) if args.config else LongStrawConfig()
     cp = args.context_parallel_size
@@ -343,13 +105,13 @@ def main(argv=None) -> dict:
 
     model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], ep)
     if args.checkpoint:
-        load_checkpoint(model, args.checkpoint, num_experts)
+        load_weights(model, args.checkpoint, num_experts)
     model.eval()
 
     records = read_records(args.input, tokenizer=args.tokenizer, vocab_size=model_cfg.vocab_size,
                            require_rewards=False)
     overall = MismatchStats(args.mismatch_threshold, args.num_worst)
-    scores = iter_scores(model, _agreed(records, parallel.CPLayout.current()), ls,
+    scores = iter_scores(model, agreed_records(records, parallel.CPLayout.current()), ls,
                          args.mismatch_threshold, args.num_worst, overall, log)
     results = _write_lines(args.out, scores) if rank0 else list(scores)
 

@@ -1,5 +1,6 @@
 """GRPO groups: the JSONL reader (one group per line; examples/data/README.md documents the format),
-local tokenizers, a writer for tests and examples, and a synthetic long-context generator.
+local tokenizers, a writer for tests and examples, a synthetic long-context generator and random
+groups of given lengths (`random_group`).
 
     {"id": "q17", "prompt": "text" | "prompt_ids": [..] | "prompt_file": "ids.npy|.bin|.txt",
      "responses": ["text", ..] | "response_ids": [[..], ..], "rewards": [..],
@@ -570,6 +571,16 @@ def synthetic_group(vocab_size: int, prompt_len: int, group_size: int, response_
     return GRPOGroup(prompt_ids=prompt, response_ids=responses,
                      rewards=torch.tensor(rewards, dtype=torch.float64))
 
+
+def random_group(vocab_size: int, prompt_len: int, lens: list[int], seed: int) -> GRPOGroup:
+    """Uniformly random prompt and responses of the given lengths `lens`, from `seed`, with rewards
+    spread over [-1, 1] (linspace cubed, float64): the small-scale evidence tools' group
+    (tools/evidence.py, tools/gradient_bias.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lens]
+    rewards = torch.linspace(-1.0, 1.0, len(lens), dtype=torch.float64) ** 3
+    return GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards)
 
 def synthetic_jsonl(path: str | os.PathLike, num_groups: int, vocab_size: int, prompt_len: int,
                     group_size: int, response_len: int, seed: int = 0,

@@ -2,5 +2,6 @@
 exporting one `Family` record (`family.py` says what it holds), collected by `registry`; the mixer
 protocol (`mixer`), context parallelism applied from outside (`context_parallel`), the shared MLA
 pieces, the HF conversion helpers and the memory planner's vocabulary (`footprint`,
-`mla_footprint`; each family's formulas in its folder's `planner.py`). Imports: runtime, kernels,
-distributed, data, state, config."""
+`mla_footprint`; each family's formulas in its folder's `planner.py`), and a family's model with
+reproducible non-trivial weights for the small-scale evidence tools (`seeded`). Imports: runtime,
+kernels, distributed, data, state, config."""

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HFConversion:
-    """One family's Hugging Face <-> model-format conversion, by tensor name (tools/convert_hf.py
-    holds the shared reading, checking and writing; no model is built)."""
+    """One family's Hugging Face <-> model-format conversion, by tensor name (checkpointing/hf.py
+    holds the shared reading, checking and writing, tools/convert_hf.py the command line; no model
+    is built)."""
 
     title: str
     """What the family is on the HF side, for messages."""
@@ -78,7 +79,8 @@ class Family:
     """The family's config dataclass (`from_dict`, `from_yaml`, `to_dict`; `FAMILY`: its title)."""
     build: Callable
     """(config, params_dtype, expert_parallel_size) -> model, with the selected kernel backends
-    (the launcher's, score.py's). Model-parallel state must be initialised."""
+    (the launcher's; checkpointing/model_source.py's, for tools/score.py and tools/generate.py).
+    Model-parallel state must be initialised."""
     build_model: Callable
     """(config, params_dtype, backend=None, **parallel_overrides) -> model: the family's model
     builder itself (models/<family>/model.py), the local spec unless `backend` is given and no
@@ -101,7 +103,7 @@ class Family:
     full_config: str
     """The full-size example YAML (repository-relative): the planner's default."""
     hf: HFConversion
-    """Hugging Face conversion (tools/convert_hf.py)."""
+    """Hugging Face conversion (checkpointing/hf.py, tools/convert_hf.py)."""
     planner: PlannerEntry
     """Memory planner entry (megatron_longstraw/planner)."""
     fp8_linears: tuple[str, ...] = ()

@@ -1,6 +1,6 @@
 """What the families' Hugging Face interop (`models/<family>/hf.py`) shares: the tensor
 correspondences (`Entry`), the strict state-dict drivers over them, and their by-name halves for
-tools/convert_hf.py; plus the mapping of the MLA + MoE decoder that GLM-5.2 and DeepSeek-V3 share.
+checkpointing/hf.py (tools/convert_hf.py); plus the mapping of the MLA + MoE decoder that GLM-5.2 and DeepSeek-V3 share.
 
 Megatron layout of every family: decoder layer i is HybridStack symbol 2i (the mixer:
 `input_layernorm`, `self_attention.*`) and symbol 2i + 1 (the FFN: `pre_mlp_layernorm`, `mlp.*`).
@@ -251,7 +251,7 @@ def check_rows(names: Iterable[str], tensors: Iterable[torch.Tensor], rows: Iter
         raise ValueError(f"shape mismatch for {bad}.")
 
 
-# ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
+# ---- by tensor name: checkpointing/hf.py (tools/convert_hf.py) ----------------------------------
 # On disk HF keeps routed experts as `mlp.experts.{e}.{gate,up,down}_proj.weight` (transformers
 # stacks them into `gate_up_proj` / `down_proj` when loading); both layouts are read, the on-disk
 # one is written.

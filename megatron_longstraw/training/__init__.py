@@ -1,3 +1,4 @@
 """The step and the loop: scoring and serial replay (`replay`), the GRPO step
 (`schedule`), the launcher's training loop (`train`), its flags (`arguments`), receipts, metrics,
-the learning-rate schedule, exit conditions and held-out evaluation. Imports: every wing below."""
+the learning-rate schedule, exit conditions, held-out evaluation and scoring a file of groups
+outside a step (`scoring`, tools/score.py). Imports: every wing below."""

@@ -170,7 +170,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module
                                  cfg.tie_word_embeddings)
 
 
-# ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
+# ---- by tensor name: checkpointing/hf.py (tools/convert_hf.py) ----------------------------------
 # Both on-disk expert layouts are read, the one save_pretrained writes is written
 # (`hf_common.expert_slot`); multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`)
 # are skipped.

@@ -215,7 +215,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], model: torch.nn.Module
                                  special=partial(_special_from_hf, cfg))
 
 
-# ---- by tensor name: tools/convert_hf.py --------------------------------------------------------
+# ---- by tensor name: checkpointing/hf.py (tools/convert_hf.py) ----------------------------------
 # A vision-language checkpoint's text model is converted (`model.language_model.*`);
 # `model.visual.*` and the MTP head `mtp.*` are skipped; --to-hf writes a text-only
 # `Qwen3_5ForCausalLM`.
