@@ -139,8 +139,13 @@ def _tool_imports(path: Path) -> set[str]:
 
 
 def test_no_tool_imports_another_tool():
-    tools = {p.stem for p in (ROOT / "tools").glob("*.py")} | {
-        p.name for p in (ROOT / "tools").iterdir() if (p / "__init__.py").is_file()}
-    crossing = {p.name: sorted(_tool_imports(p) & (tools - {p.stem}))
-                for p in (ROOT / "tools").glob("*.py")}
+    """A tool (tools/*.py) imports the package, never another tool; a folder of sections under
+    tools/ (device_checks/) belongs to the one tool that imports it."""
+    scripts = {p.stem: p for p in (ROOT / "tools").glob("*.py")}
+    sections = {p.name for p in (ROOT / "tools").iterdir() if (p / "__init__.py").is_file()}
+    imports = {name: _tool_imports(path) for name, path in scripts.items()}
+    crossing = {name: sorted(found & (set(scripts) - {name})) for name, found in imports.items()}
     assert not {k: v for k, v in crossing.items() if v}
+    for folder in sections:
+        owners = sorted(name for name, found in imports.items() if folder in found)
+        assert len(owners) <= 1, f"tools/{folder}/ is imported by several tools: {owners}"
