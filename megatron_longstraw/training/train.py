@@ -475,7 +475,7 @@ def replica_mean(result, dp_size: int):
 def check_finite_weights(model, step: int) -> None:
     """Refuse to save weights that are NaN / inf on any rank (never written to a checkpoint)."""
     from megatron_longstraw.runtime.errors import NonFiniteError
-    from megatron_longstraw.distributed.parallel import any_rank
+    from megatron_longstraw.distributed.agreement import any_rank
 
     local = any(not torch.isfinite(p).all() for p in model.parameters() if p.requires_grad)
     if any_rank([local])[0]:
