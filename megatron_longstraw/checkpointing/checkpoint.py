@@ -53,15 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_longstraw.runtime.errors import CheckpointError
 from megatron_longstraw.checkpointing.model_format import (
     FORMAT_VERSION, MODEL_WEIGHTS, SafetensorsReader, check_model_config, count_experts,
-    describe_layout, expert_ranks, fsync_dir, global_rank, is_distributed, local_tensors,
-    parallel_layout, read_meta, routed_expert_names, together, unwrap, write_safetensors,
-    write_text_atomic,
+    describe_layout, expert_ranks, fsync_dir, global_rank, local_tensors, parallel_layout,
+    read_meta, routed_expert_names, unwrap, write_safetensors, write_text_atomic,
 )
+from megatron_longstraw.distributed.agreement import check_same, together
 from megatron_longstraw.distributed.parallel import global_name
 
 TRAIN_FORMAT = "longstraw-train"
@@ -172,11 +171,7 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     layout = parallel_layout()
 
     def prepare():
-        if is_distributed():
-            steps = [None] * dist.get_world_size()
-            dist.all_gather_object(steps, int(step))
-            if len(set(steps)) > 1:
-                raise ValueError(f"ranks disagree on the step being saved: {steps}.")
+        check_same(int(step), "the step being saved")
         if global_rank() == 0:
             save_dir.mkdir(parents=True, exist_ok=True)
             for stale in save_dir.glob(".tmp-step_*"):   # interrupted earlier saves

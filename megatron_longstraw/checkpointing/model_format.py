@@ -1,5 +1,5 @@
 """The plugin's model format on disk (converted weights, exports) and the pieces every on-disk
-write shares: atomic files, the parallel layout, agreement across ranks.
+write shares: atomic files, the parallel layout (agreement across ranks: distributed/agreement.py).
 
 Model format (written by `tools/convert_hf.py` and `save_model`, read by `load_model`), a directory:
 
@@ -32,13 +32,14 @@ import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_longstraw.kernels import fp8
-from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound, PeerFailure
+from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
+from megatron_longstraw.distributed.agreement import together
 from megatron_longstraw.distributed.finalize import is_expert_param
 from megatron_longstraw.distributed.parallel import global_name, load_full_state_dict
 
@@ -134,10 +135,6 @@ class SafetensorsReader(Mapping):
 # ---- parallel layout ----------------------------------------------------------------------------
 
 
-def is_distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -167,31 +164,6 @@ def expert_ranks() -> tuple[int, int]:
 def describe_layout(layout: dict, with_dp: bool) -> str:
     text = f"CP={layout['context_parallel_size']}/EP={layout['expert_parallel_size']}"
     return text + (f"/DP={layout['data_parallel_size']}" if with_dp else "")
-
-
-def agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank when any rank failed `what`: the failing rank raises its own error, the
-    others say which rank failed and why (no rank is left waiting in a later collective)."""
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    for rank, message in enumerate(messages):
-        if message:
-            raise PeerFailure(f"{what} failed on rank {rank}: {message}")
-
-
-def together(what: str, fn, *args) -> Any:
-    try:
-        result, error = fn(*args), None
-    except Exception as exc:  # noqa: BLE001 - re-raised by agree on this rank
-        result, error = None, exc
-    agree(error, what)
-    return result
 
 
 # ---- model tensors ------------------------------------------------------------------------------

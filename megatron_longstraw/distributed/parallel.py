@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longstraw.runtime import platform
-from megatron_longstraw.runtime.errors import ConfigError, PeerFailure
+from megatron_longstraw.runtime.errors import ConfigError
 from megatron_longstraw.kernels.refs import lse_merge_weights
 
 
@@ -442,73 +442,6 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
             tensor.copy_(full[global_name(name, num_experts)])
 
 
-# ---- agreement and failure ----------------------------------------------------------------------
-
-
-def check_agreement(local_error: str | None, fingerprint: dict, layout: CPLayout) -> None:
-    """Raise the same error on every rank of the CP group, before any work, when one rank's input
-    is invalid or the ranks were not given the same GRPO group."""
-    if layout.size == 1:
-        if local_error:
-            raise ValueError(local_error)
-        return
-    gathered = [None] * layout.size
-    dist.all_gather_object(gathered, (local_error, fingerprint), group=layout.group)
-    ranks = dist.get_process_group_ranks(layout.group)
-    for rank, (error, _) in zip(ranks, gathered):
-        if error:
-            raise ValueError(f"rank {rank}: {error}")
-    first = gathered[0][1]
-    for rank, (_, other) in zip(ranks, gathered):
-        if other != first:
-            diff = {k: (first[k], other[k]) for k in first if first[k] != other.get(k)}
-            raise ValueError(
-                "The ranks of a context-parallel group must all be given the same GRPO group; "
-                f"rank {ranks[0]} and rank {rank} differ in "
-                + ", ".join(f"{k} ({a} vs {b})" for k, (a, b) in diff.items()) + ".")
-
-
-_ERROR_KEY = "longstraw/first_error"
-
-
-def _store():
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: single process or not initialised
-        return None
-
-
-class fail_together:
-    """Context manager around a distributed step: the first rank to fail records its error in the
-    rendezvous store; a rank whose collective then breaks (peer gone) re-raises with that first
-    error, so every rank goes down with the cause rather than a bare connection error. The process
-    group's timeout bounds the wait."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or not dist.is_initialized() or dist.get_world_size() == 1:
-            return False
-        store = _store()
-        if store is None:
-            return False
-        message = f"rank {dist.get_rank()}: {exc_type.__name__}: {exc}"
-        try:
-            if store.check([_ERROR_KEY]):
-                first = store.get(_ERROR_KEY).decode()
-                if not first.startswith(f"rank {dist.get_rank()}:"):
-                    raise PeerFailure(f"LongStraw step aborted because {first}") from exc
-            else:
-                store.set(_ERROR_KEY, message)
-        except RuntimeError as chained:
-            if chained.__cause__ is exc:
-                raise
-        return False
-
-
 def current_sizes() -> dict:
     """The parallel sizes of the initialised Megatron state, as TransformerConfig fields (layers
     read them from the config: e.g. expert parameters are marked for expert-DP reduction only when
@@ -560,16 +493,3 @@ def sum_grads(params: list[torch.nn.Parameter], group) -> None:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
-
-
-def any_rank(flags: list[bool]) -> list[bool]:
-    """Each of `flags`, true where it is true on any rank of the world (one MAX all-reduce; the
-    flags themselves without a process group). Every rank calls it with the same number of
-    flags."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [bool(f) for f in flags]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]

@@ -144,6 +144,26 @@ def _key() -> str:
     return f"longstraw/error/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank0"
 
 
+# The reporting below talks through a store, not a collective: it runs at the entry point, before
+# any process group exists or after one broke (distributed/agreement.py holds the collectives and
+# reuses `default_store`; runtime/ cannot import from there).
+
+
+def default_store():
+    """The default process group's store (every rank of the group shares it), or None without an
+    initialised process group."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed import distributed_c10d
+
+            return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: single process or not initialised
+        return None
+    return None
+
+
 def _store(timeout_s: float):
     """A store every rank of the job shares, or None: torchrun's agent store (there before any
     process group starts and after), else the default process group's."""
@@ -154,13 +174,9 @@ def _store(timeout_s: float):
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
             return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                  is_master=False, timeout=timeout)
-        if dist.is_available() and dist.is_initialized():
-            from torch.distributed import distributed_c10d
-
-            return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store: every rank then speaks for itself
         return None
-    return None
+    return default_store()
 
 
 def _post_rank0(message: str) -> None:

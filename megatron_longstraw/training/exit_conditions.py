@@ -41,7 +41,7 @@ class ExitConditions:
     def check(self, steps_done: int) -> str | None:
         """After `steps_done` steps (the last one finished): the reason to stop, agreed on by every
         rank, or None."""
-        from megatron_longstraw.distributed.parallel import any_rank
+        from megatron_longstraw.distributed.agreement import any_rank
 
         elapsed = time.perf_counter() - self.start
         local = [bool(self.received),

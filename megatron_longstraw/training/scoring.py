@@ -114,7 +114,7 @@ def score_groups(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10
 def agreed_records(records, layout):
     """Yield records; under CP the ranks first agree that they read the same group (or the same
     end of file), and a rank that failed to read takes every rank down with its message."""
-    from megatron_longstraw.distributed.parallel import check_agreement
+    from megatron_longstraw.distributed.agreement import check_agreement
 
     records = iter(records)
     while True:
