@@ -40,7 +40,7 @@ from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, m
 from megatron_longstraw.models.context_parallel import StreamedCapture, capture_blocks
 from megatron_longstraw.state.pages import PageStore
 from megatron_longstraw.distributed.parallel import CPLayout
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
 @dataclass
@@ -118,7 +118,7 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                               token_block=cfg.token_block,
                               boundaries={} if keep_for_backward and layout.size == 1 else None)
         run = _run_streamed if streamed else _run_whole
-        with torch.no_grad(), attention_pass(state):
+        with torch.no_grad():
             run(model, prefix, state, cfg, backward, progress)
         if backward is not None:
             backward.cotangent = note_host(torch.zeros_like(backward.layer_inputs[-1]))
@@ -151,7 +151,7 @@ def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backwa
         if backward is not None:
             backward.layer_inputs.append(note_host(hidden.to(storage, copy=True)))
         # FFN/MoE in streamed capture's token blocks (under CP as many on every rank).
-        hidden = run_group(group, hidden, chunk_sizes=[end - start for start, end in blocks])
+        hidden = run_group(group, hidden, state, chunk_sizes=[end - start for start, end in blocks])
         _keep_selections(state, backward)
         if progress is not None:
             progress(layer_idx + 1, len(groups))
@@ -183,13 +183,13 @@ def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, bac
             state.mode = "capture_rows"          # the blocks' key rows (or GDN inputs) first
             for start, end in blocks:
                 state.positions, state.block_start = positions[start:end], start
-                run_layer(group[0], residual[start:end].to(device, non_blocking=True))
+                run_layer(group[0], residual[start:end].to(device, non_blocking=True), state)
             state.positions = positions
             mixer_of(group).capture_exchange(state)
             state.mode = "capture_block"
         for start, end in blocks:
             state.positions, state.block_start = positions[start:end], start
-            out = run_group(group, residual[start:end].to(device, non_blocking=True))
+            out = run_group(group, residual[start:end].to(device, non_blocking=True), state)
             residual[start:end].copy_(out)   # (synchronous: the block's rows are read next layer)
         del out
         state.positions, state.block_start = positions, 0
