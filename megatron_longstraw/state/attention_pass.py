@@ -13,6 +13,11 @@ inside activation checkpointing, which gets the pass as an argument); a full-mod
 the plain full-sequence forward from position 0, so the model is still an ordinary Megatron model
 (`models/mixer.py`).
 
+A pass is immutable (a frozen dataclass): what layers fill during a pass (`selections` of the full
+indexer layers, `emitted`, `boundaries`, `used_selections`, the decode caches) lives in containers
+the caller hands in and reads afterwards; a pass that differs is a copy (`dataclasses.replace`,
+e.g. `member_pass`, or capture's per-block passes).
+
 Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
 - `capture`: the current tokens are the prompt (this rank's whole shard); their state is written
@@ -48,7 +53,7 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 import torch
@@ -104,8 +109,11 @@ class CPPass:
         return self.layout.group
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionPass:
+    """One pass of the state-aware mixers (module docstring); frozen: the containers it holds are
+    filled by the layers, its fields are never reassigned."""
+
     mode: Mode
     """What the attention layers do with their keys (see the module docstring)."""
     positions: torch.Tensor
@@ -160,7 +168,5 @@ def member_pass(state: AttentionPass, row: int) -> AttentionPass:
     """`decode`: the pass seen by the query of row `row` in a decode step: its position, its member's own
     top-k selections of this step (IndexShare layers read their source layer's for the same
     member)."""
-    return AttentionPass(mode="decode", positions=state.positions[row:row + 1], pages=state.pages,
-                         prefix_len=state.prefix_len, selections=state.member_selections[row],
-                         query_block=state.query_block, key_block=state.key_block,
-                         token_block=state.token_block, cp=state.cp, decode=state.decode)
+    return replace(state, positions=state.positions[row:row + 1],
+                   selections=state.member_selections[row], member_selections=None)
