@@ -194,6 +194,20 @@ def test_bad_input_rejected_before_any_work(monkeypatch, mutate, needle):
         forward_backward_longstraw(model, group, _small_blocks())
 
 
+def test_attention_mask_is_a_pass_or_none():
+    """The pass travels as Megatron's attention_mask (state/attention_pass.py): a pass and None
+    (the plain full-sequence pass) give the same logits; a tensor mask is refused, not ignored."""
+    cfg, model = build_tiny_glm(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids, None, None)
+        given = model(ids, None, attention_mask=AttentionPass(mode="full",
+                                                              positions=torch.arange(12)))
+        assert torch.equal(plain, given)
+        with pytest.raises(ValueError, match="takes an AttentionPass"):
+            model(ids, None, attention_mask=torch.ones(1, 1, 12, 12, dtype=torch.bool))
+
+
 def test_group_of_one_rejected():
     cfg, model = build_tiny_glm(torch.float32)
     group = _group(cfg.vocab_size, lens=(5,))
