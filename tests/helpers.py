@@ -83,7 +83,7 @@ def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[di
 def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor,
                            detach_prompt_state: bool = False) -> torch.Tensor:
     """Log-probs [R] of `response` after `prompt` from one plain Megatron forward of the whole
-    sequence (no LongStraw pass installed; gradients follow autograd's defaults).
+    sequence (no LongStraw pass given; gradients follow autograd's defaults).
 
     detach_prompt_state: detach, at every layer, the MLA latent rows `[kv_norm(c_kv); rope(k_pe)]`
     of the tokens before the prompt's last one, i.e. the state LongStraw captures: the

@@ -162,9 +162,9 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
     kind_of = {id(layer): KIND_OF_SYMBOL[symbol]
                for symbol, layer in zip(model.decoder.layer_type_list, model.decoder.layers)}
 
-    def metered(layer, hidden):
+    def metered(layer, hidden, state):
         with memory.phase(kind_of[id(layer)]):
-            return run_layer(layer, hidden)
+            return run_layer(layer, hidden, state)
 
     monkeypatch.setattr(common, "run_layer", metered)
     monkeypatch.setattr(capture, "run_layer", metered)

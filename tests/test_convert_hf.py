@@ -123,7 +123,7 @@ def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.training.replay import score_member
-    from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
+    from megatron_longstraw.state.attention_pass import AttentionPass
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab_size, (PROMPT_LEN + RESPONSE_LEN,), generator=gen)
@@ -131,9 +131,9 @@ def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -
     rows = slice(PROMPT_LEN - 1, PROMPT_LEN + RESPONSE_LEN - 1)   # outputs scoring the response
     with torch.no_grad():
         ref_all = torch.log_softmax(reference(ids[None]).logits[0], -1)          # [S, V]
-        with attention_pass(AttentionPass(mode="full", positions=torch.arange(ids.numel()),
-                                          token_block=40, query_block=24, key_block=32)):
-            ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)    # [S, V]
+        state = AttentionPass(mode="full", positions=torch.arange(ids.numel()), token_block=40,
+                              query_block=24, key_block=32)
+        ours_all = torch.log_softmax(model(ids[None], None, attention_mask=state)[0], -1)  # [S, V]
         ls = LongStrawConfig(group_size=2, query_block=29, key_block=37, token_block=50)
         captured = capture_prompt(model, prompt, ls)
         replayed, _ = score_member(model, captured, response, ls)                # [R]

@@ -39,7 +39,7 @@ from megatron_longstraw.runtime.platform import manual_seed
 from megatron_longstraw.training.replay import score_member
 from megatron_longstraw.training.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
-from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 pytestmark = pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state
 
@@ -198,9 +198,9 @@ def test_logprobs_match_transformers(rope, monkeypatch):
     with torch.no_grad():
         ref_all = torch.log_softmax(hf_model(ids[None]).logits[0], -1)                # [S, V]
         effects = _routing_effects(hf_model, cfg, router_inputs)
-        with attention_pass(AttentionPass(mode="full", positions=torch.arange(ids.numel()),
-                                          token_block=40, query_block=24, key_block=32)):
-            ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)
+        state = AttentionPass(mode="full", positions=torch.arange(ids.numel()), token_block=40,
+                              query_block=24, key_block=32)
+        ours_all = torch.log_softmax(model(ids[None], None, attention_mask=state)[0], -1)
         ls = _small_blocks(group_size=2)
         captured = capture_prompt(model, prompt, ls)
         replayed, _ = score_member(model, captured, response, ls)

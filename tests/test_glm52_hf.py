@@ -28,7 +28,7 @@ from megatron_longstraw.models.glm52.hf import (
     to_hf_state_dict,
 )
 from megatron_longstraw.runtime.platform import manual_seed
-from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 F64 = torch.float64
 TOL = 1e-9
@@ -139,8 +139,8 @@ def _compare(cfg: GLM52Config, monkeypatch: pytest.MonkeyPatch) -> dict:
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, SEQ))
     with torch.no_grad():
-        with attention_pass(AttentionPass(mode="full", positions=torch.arange(SEQ))) as state:
-            ours = model(ids, None, None)
+        state = AttentionPass(mode="full", positions=torch.arange(SEQ))
+        ours = model(ids, None, attention_mask=state)
         ref = hf_model(ids).logits
     diff = (torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max().item()
 

@@ -2,6 +2,8 @@
 bad input. References are plain full-sequence Megatron forwards of `[prompt; response]`, built
 without the capture/replay code (tests/helpers.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from megatron_longstraw.models.common import decoder_groups, embed, run_group
 from megatron_longstraw.training.replay import score_member
 from megatron_longstraw.training.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
-from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -58,10 +60,10 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
     reference_used: dict = {}
     state = AttentionPass(mode="full", positions=torch.arange(ids.numel()), query_block=29,
                           key_block=37, used_selections=reference_used)
-    with torch.no_grad(), attention_pass(state):
+    with torch.no_grad():
         hidden = embed(model, ids)
         for group_layers in decoder_groups(model):
-            hidden = run_group(group_layers, hidden)
+            hidden = run_group(group_layers, hidden, state)
 
     captured = capture_prompt(model, group.prompt_ids, ls)
     _, scored = score_member(model, captured, response, ls)
@@ -82,10 +84,10 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
     used: dict = {}
     from megatron_longstraw.training import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
-    state = replay_mod._pass(captured, branch, ls, selections=scored)
-    state.used_selections = used
-    with torch.no_grad(), attention_pass(state):
-        replay_mod._run_branch(model, captured, branch, checkpoint_layers=False)
+    state = dataclasses.replace(replay_mod._pass(captured, branch, ls, selections=scored),
+                                used_selections=used)
+    with torch.no_grad():
+        replay_mod._run_branch(model, captured, branch, state, checkpoint_layers=False)
     for layer in range(cfg.num_hidden_layers):
         assert torch.equal(used[layer], scored[cfg.topk_source_layer(layer)])
 
@@ -192,6 +194,20 @@ def test_bad_input_rejected_before_any_work(monkeypatch, mutate, needle):
         forward_backward_longstraw(model, group, _small_blocks())
 
 
+def test_attention_mask_is_a_pass_or_none():
+    """The pass travels as Megatron's attention_mask (state/attention_pass.py): a pass and None
+    (the plain full-sequence pass) give the same logits; a tensor mask is refused, not ignored."""
+    cfg, model = build_tiny_glm(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids, None, None)
+        given = model(ids, None, attention_mask=AttentionPass(mode="full",
+                                                              positions=torch.arange(12)))
+        assert torch.equal(plain, given)
+        with pytest.raises(ValueError, match="takes an AttentionPass"):
+            model(ids, None, attention_mask=torch.ones(1, 1, 12, 12, dtype=torch.bool))
+
+
 def test_group_of_one_rejected():
     cfg, model = build_tiny_glm(torch.float32)
     group = _group(cfg.vocab_size, lens=(5,))
@@ -212,12 +228,10 @@ def test_prompt_state_gradients_on_request():
     response = group.response_ids[0]
     from megatron_longstraw.training import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
-    state = replay_mod._pass(captured, branch, ls, selections=None)
-    state.prompt_state_grad = True
+    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_state_grad=True)
     captured.pages.keep_grads()
-    with attention_pass(state):
-        logp = replay_mod._run_branch(model, captured, branch, checkpoint_layers=True)
-        logp.sum().backward()
+    logp = replay_mod._run_branch(model, captured, branch, state, checkpoint_layers=True)
+    logp.sum().backward()
     grads = [captured.pages.grad(layer, "latent") for layer in range(cfg.num_hidden_layers)]
     assert all(g is not None and g.shape == (group.prompt_ids.numel() - 1, 40) for g in grads)
     # Only the selected rows can receive gradient: at most R * k rows per layer are non-zero.

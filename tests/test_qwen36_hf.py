@@ -29,7 +29,7 @@ from megatron_longstraw.models.qwen36.hf import (
     to_hf_state_dict,
 )
 from megatron_longstraw.runtime.platform import manual_seed
-from megatron_longstraw.state.attention_pass import AttentionPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 F64 = torch.float64
 TOL = 1e-9
@@ -152,9 +152,9 @@ def _logprob_diff(cfg: Qwen36Config, model, hf_model, seed: int = 1) -> float:
     torch.manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, SEQ))
     with torch.no_grad():
-        with attention_pass(AttentionPass(mode="full", positions=torch.arange(SEQ),
-                                          token_block=40, query_block=24, key_block=32)):
-            ours = model(ids, None, None)
+        state = AttentionPass(mode="full", positions=torch.arange(SEQ), token_block=40,
+                              query_block=24, key_block=32)
+        ours = model(ids, None, attention_mask=state)
         ref = hf_model(ids).logits
     return (torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max().item()
 

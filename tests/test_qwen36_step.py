@@ -215,7 +215,6 @@ def test_prompt_state_gradients_on_request():
     central finite difference along a random direction agrees (fp64, relative 1e-6; the difference
     quotient's own error, truncation O(eps^2) plus rounding ~1e-14 / eps, is ~1e-8)."""
     from megatron_longstraw.training import replay as replay_mod
-    from megatron_longstraw.state.attention_pass import attention_pass
 
     cfg, model = build_tiny_qwen(torch.float64)
     group = _group(cfg.vocab_size, lens=(7,))
@@ -223,12 +222,10 @@ def test_prompt_state_gradients_on_request():
     captured = capture_prompt(model, group.prompt_ids, ls)
     response = group.response_ids[0]
     branch = replay_mod.make_branch(captured, response)
-    state = replay_mod._pass(captured, branch, ls, selections=None)
-    state.prompt_state_grad = True
+    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_state_grad=True)
     captured.pages.keep_grads()
-    with attention_pass(state):
-        logp = replay_mod._run_branch(model, captured, branch, checkpoint_layers=True)
-        logp.sum().backward()
+    logp = replay_mod._run_branch(model, captured, branch, state, checkpoint_layers=True)
+    logp.sum().backward()
     pages = captured.pages
     for layer in pages.layers():
         for kind in pages.kinds(layer):

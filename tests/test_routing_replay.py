@@ -6,6 +6,7 @@ JSONL round trip keeps them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -19,7 +20,6 @@ from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.groups import DataError, parse_line, read_groups, write_groups
 from megatron_longstraw.training.schedule import forward_backward_longstraw, validate_inputs
 from megatron_longstraw.data.group import GRPOGroup
-from megatron_longstraw.state.attention_pass import current_pass
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -48,20 +48,28 @@ def tiny():
 
 @contextlib.contextmanager
 def recorded_routing(model):
-    """Every router call of a branch pass: (mode, MoE layer n, experts [rows, k] ascending)."""
+    """Every router call of a branch pass: (mode, MoE layer n, experts [rows, k] ascending). The
+    pass is the layer call's `attention_mask` (models/common.run_layer), seen by a pre-hook on
+    every layer and read by the router hooks inside it."""
     calls = []
+    current = [None]
+
+    def see_pass(module, args, kwargs):
+        current[0] = kwargs.get("attention_mask")
 
     def hook(n):
         def record(module, args, output):
-            state = current_pass()
+            state = current[0]
             if state is not None and state.mode in ("score", "replay"):
                 routing_map = output[1]                                   # [rows, experts] bool
                 experts = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
                 calls.append((state.mode, n, experts))
         return record
 
-    handles = [router.register_forward_hook(hook(n))
-               for n, (_, router) in enumerate(routing_replay.moe_routers(model))]
+    handles = [layer.register_forward_pre_hook(see_pass, with_kwargs=True)
+               for layer in model.decoder.layers]
+    handles += [router.register_forward_hook(hook(n))
+                for n, (_, router) in enumerate(routing_replay.moe_routers(model))]
     try:
         yield calls
     finally:
@@ -133,8 +141,7 @@ def test_supplied_selections_are_what_scoring_and_replay_attend_with(tiny, monke
     make_pass = replay._pass
 
     def recording_pass(*args, **kwargs):
-        state = make_pass(*args, **kwargs)
-        state.used_selections = {}
+        state = dataclasses.replace(make_pass(*args, **kwargs), used_selections={})
         passes.append(state)
         return state
 

@@ -28,7 +28,7 @@ scores for one (query block, key block) pair.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -40,7 +40,7 @@ from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, m
 from megatron_longstraw.models.context_parallel import StreamedCapture, capture_blocks
 from megatron_longstraw.state.pages import PageStore
 from megatron_longstraw.distributed.parallel import CPLayout
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
 @dataclass
@@ -118,7 +118,7 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                               token_block=cfg.token_block,
                               boundaries={} if keep_for_backward and layout.size == 1 else None)
         run = _run_streamed if streamed else _run_whole
-        with torch.no_grad(), attention_pass(state):
+        with torch.no_grad():
             run(model, prefix, state, cfg, backward, progress)
         if backward is not None:
             backward.cotangent = note_host(torch.zeros_like(backward.layer_inputs[-1]))
@@ -151,7 +151,7 @@ def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backwa
         if backward is not None:
             backward.layer_inputs.append(note_host(hidden.to(storage, copy=True)))
         # FFN/MoE in streamed capture's token blocks (under CP as many on every rank).
-        hidden = run_group(group, hidden, chunk_sizes=[end - start for start, end in blocks])
+        hidden = run_group(group, hidden, state, chunk_sizes=[end - start for start, end in blocks])
         _keep_selections(state, backward)
         if progress is not None:
             progress(layer_idx + 1, len(groups))
@@ -159,13 +159,15 @@ def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backwa
 
 def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
     """Streamed capture: the residual stream in a host buffer, every layer run one token block at
-    a time (`capture_block`; under CP after the rows and exchange phases; module docstring)."""
+    a time (`capture_block`; under CP after the rows and exchange phases; module docstring). Each
+    block runs in its own copy of `state` (its mode, positions and first row; the same pages,
+    selections and boundaries)."""
     positions, storage, layout = state.positions, state.pages.storage_device, state.cp.layout
     device = prefix.device
     blocks = capture_blocks(layout, state.cp.global_len, cfg.token_block)
     if layout.size > 1:
-        state.streamed = StreamedCapture(layout, state.cp.global_len, storage,
-                                         state.pages.pin_memory, cfg.token_block)
+        state = replace(state, streamed=StreamedCapture(layout, state.cp.global_len, storage,
+                                                        state.pages.pin_memory, cfg.token_block))
     residual = None
     for start, end in blocks:
         hidden = embed(model, prefix[positions[start:end]])         # [b, 1, h]
@@ -180,19 +182,16 @@ def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, bac
         if backward is not None:
             backward.layer_inputs.append(note_host(residual.clone()))
         if state.streamed is not None and is_mixer(group[0]):
-            state.mode = "capture_rows"          # the blocks' key rows (or GDN inputs) first
-            for start, end in blocks:
-                state.positions, state.block_start = positions[start:end], start
-                run_layer(group[0], residual[start:end].to(device, non_blocking=True))
-            state.positions = positions
+            for start, end in blocks:            # the blocks' key rows (or GDN inputs) first
+                block = replace(state, mode="capture_rows", positions=positions[start:end],
+                                block_start=start)
+                run_layer(group[0], residual[start:end].to(device, non_blocking=True), block)
             mixer_of(group).capture_exchange(state)
-            state.mode = "capture_block"
         for start, end in blocks:
-            state.positions, state.block_start = positions[start:end], start
-            out = run_group(group, residual[start:end].to(device, non_blocking=True))
+            block = replace(state, positions=positions[start:end], block_start=start)
+            out = run_group(group, residual[start:end].to(device, non_blocking=True), block)
             residual[start:end].copy_(out)   # (synchronous: the block's rows are read next layer)
         del out
-        state.positions, state.block_start = positions, 0
         _keep_selections(state, backward)
         if progress is not None:
             progress(layer_idx + 1, len(groups))

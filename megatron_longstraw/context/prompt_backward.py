@@ -55,7 +55,7 @@ from megatron_longstraw.models.common import (
     run_group,
     run_layer,
 )
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
 def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> None:
@@ -105,8 +105,8 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
                            for kind, t in boundaries[index].items()}
             state = _block_pass(captured, cfg, "prompt_backward", start, end, device, carried)
             x = inputs[start:end].to(device, copy=True).requires_grad_()
-            with torch.enable_grad(), attention_pass(state):
-                out = run_group(group, x)
+            with torch.enable_grad():
+                out = run_group(group, x, state)
             outputs, cotangents = [out], [grad[start:end].to(device, out.dtype)]
             for (_, kind), tensor in state.emitted.items():
                 if carry.get(kind) is not None:
@@ -121,8 +121,8 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
             for start, end in blocks:
                 state = _block_pass(captured, cfg, "prompt_rows", start, end, device)
                 x = inputs[start:end].to(device, copy=True).requires_grad_()
-                with torch.enable_grad(), attention_pass(state):
-                    run_layer(layer, x)
+                with torch.enable_grad():
+                    run_layer(layer, x, state)
                 outputs, cotangents = [], []
                 for (layer_key, kind), tensor in state.emitted.items():
                     buffer = pages.grad(layer_key, kind)
@@ -167,8 +167,8 @@ def _whole_shard(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device)
             selections={layer: sel.to(device, torch.long) for layer, sel in kept.selections.items()},
             reuse_selections=True, query_block=cfg.query_block, key_block=cfg.key_block,
             token_block=cfg.token_block, emitted={})
-        with torch.enable_grad(), attention_pass(state):
-            out = run_group(groups[layer_idx], x)
+        with torch.enable_grad():
+            out = run_group(groups[layer_idx], x, state)
         outputs, cotangents = [], []
         if grad is not None:
             outputs.append(out)

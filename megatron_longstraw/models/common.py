@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_longstraw.runtime.patches.layer_state import release_call_state
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 MIXERS = {"M", "G", "*", "D", "+"}  # symbols that read other tokens (attention / recurrence)
 
@@ -41,26 +42,29 @@ def _is_identity(module) -> bool:
     return type(module).__name__ == "IdentityOp"
 
 
-def run_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
-    """One HybridStack layer on [s, 1, h]. What the layer keeps of the call is released after it
-    (patches/layer_state.py), also when a checkpoint's recompute stops inside it."""
+def run_layer(layer, hidden: torch.Tensor, state: AttentionPass | None) -> torch.Tensor:
+    """One HybridStack layer on [s, 1, h] in the pass `state` (Megatron's `attention_mask`, read by
+    the mixers; None: a plain full-sequence forward). What the layer keeps of the call is released
+    after it (patches/layer_state.py), also when a checkpoint's recompute stops inside it."""
     try:
-        out = layer(hidden_states=hidden, attention_mask=None)
+        out = layer(hidden_states=hidden, attention_mask=state)
     finally:
         release_call_state(layer)
     return out[0] if isinstance(out, tuple) else out
 
 
-def run_group(group, hidden: torch.Tensor, chunk_sizes: list[int] | None = None) -> torch.Tensor:
-    """One decoder layer. FFN/MoE symbols are token-wise: with `chunk_sizes` (rows per chunk,
-    summing to the rows of `hidden`: capture's token blocks) they run chunk by chunk, so their
-    intermediates (MoE dispatch buffers, FFN activations) stay O(chunk). Under EP every rank must
-    pass as many chunks (each MoE call is a collective)."""
+def run_group(group, hidden: torch.Tensor, state: AttentionPass | None,
+              chunk_sizes: list[int] | None = None) -> torch.Tensor:
+    """One decoder layer in the pass `state` (`run_layer`). FFN/MoE symbols are token-wise: with
+    `chunk_sizes` (rows per chunk, summing to the rows of `hidden`: capture's token blocks) they
+    run chunk by chunk, so their intermediates (MoE dispatch buffers, FFN activations) stay
+    O(chunk). Under EP every rank must pass as many chunks (each MoE call is a collective)."""
     for layer in group:
         if is_mixer(layer) or chunk_sizes is None or len(chunk_sizes) <= 1:
-            hidden = run_layer(layer, hidden)
+            hidden = run_layer(layer, hidden, state)
         else:
-            hidden = torch.cat([run_layer(layer, chunk) for chunk in hidden.split(chunk_sizes)])
+            hidden = torch.cat([run_layer(layer, chunk, state)
+                                for chunk in hidden.split(chunk_sizes)])
     return hidden
 
 

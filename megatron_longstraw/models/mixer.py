@@ -6,11 +6,16 @@ parameter names, built from the same spec) with `StateAwareMixer` placed first i
 
     class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet): ...
 
-Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`. `StateAwareMixer.forward`
+Megatron calls `self_attention(hidden_states, attention_mask=..., ...)`, and the pass travels as
+that `attention_mask` (`state/attention_pass.py`): what this pass's queries attend to. Megatron
+hands the argument unchanged from `HybridModel.forward` down to every layer's `self_attention`,
+so the pass needs no new Megatron argument and no module-level state. `StateAwareMixer.forward`
 
 1. checks the input: one sequence ([s, 1, hidden]), tensor-parallel size 1;
-2. finds the pass: the installed `AttentionPass` (`state.py`), or a plain full-sequence pass from
-   position 0 (`plain_pass`), so the model is still an ordinary Megatron model;
+2. takes the pass: `attention_mask` when it is an `AttentionPass`; when it is None, a plain
+   full-sequence pass from position 0 (`plain_pass`), so the model is still an ordinary Megatron
+   model; anything else (a tensor mask) is refused: these mixers build their own causal structure
+   from the pass's positions, and a mask would be silently ignored;
 3. refuses a pass whose context-parallel size is not the one the model was built for (a plain
    forward of a CP model would treat each rank's shard as a whole sequence);
 4. dispatches, once, on the mode to the family's method `forward_<mode>(hidden_states, state)`:
@@ -39,7 +44,7 @@ import torch
 
 from megatron_longstraw.models import partials
 from megatron_longstraw.state.pages import LayerRows
-from megatron_longstraw.state.attention_pass import AttentionPass, current_pass
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 
 class StateAwareMixer:
@@ -50,7 +55,8 @@ class StateAwareMixer:
     layer_idx: int
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused_kwargs):
-        """hidden_states: [s, 1, hidden] (input-layernormed). Returns (output [s, 1, hidden], bias)."""
+        """hidden_states: [s, 1, hidden] (input-layernormed); attention_mask: the `AttentionPass`,
+        or None for a plain full-sequence forward. Returns (output [s, 1, hidden], bias)."""
         name = type(self).__name__
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"{name} processes one sequence at a time ([s, 1, hidden], batch 1); "
@@ -58,7 +64,15 @@ class StateAwareMixer:
         if self.config.tensor_model_parallel_size > 1:
             raise ValueError(f"{name} runs with tensor parallel size 1 (LongStraw folds CP and EP; "
                              "set --tensor-model-parallel-size 1).")
-        state = current_pass() or self.plain_pass(hidden_states)
+        if attention_mask is None:
+            state = self.plain_pass(hidden_states)
+        elif isinstance(attention_mask, AttentionPass):
+            state = attention_mask
+        else:
+            raise ValueError(
+                f"{name} takes an AttentionPass (or None: a plain full-sequence forward) as "
+                f"attention_mask, not {type(attention_mask).__name__}: it builds its own causal "
+                "structure from the pass's positions and would ignore a mask.")
         built = self.config.context_parallel_size
         if state.cp.size != built:
             raise ValueError(

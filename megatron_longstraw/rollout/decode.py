@@ -45,11 +45,7 @@ from megatron_longstraw.models.common import (
     head_logits,
     run_group,
 )
-from megatron_longstraw.state.attention_pass import (
-    AttentionPass,
-    CPPass,
-    attention_pass,
-)
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
 @dataclass
@@ -127,9 +123,8 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
                 query_block=cfg.query_block, key_block=cfg.key_block, token_block=cfg.token_block,
                 decode=cache, member_selections=[{} for _ in active])
             hidden = embed(model, torch.tensor([last[m] for m in active], device=device))
-            with attention_pass(state):
-                for group in groups:
-                    hidden = run_group(group, hidden)
+            for group in groups:
+                hidden = run_group(group, hidden, state)
             logits = head_logits(model, hidden).double().cpu()              # [A, vocab]
             model_logp = F.log_softmax(logits, dim=-1)
             sample_logp = _sampling_logprobs(logits, params)

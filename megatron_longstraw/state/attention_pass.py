@@ -1,11 +1,22 @@
 """The per-pass state that state-aware attention layers read: which mode, at which positions, over
 which pages, with which top-k selections.
 
-Megatron's `TransformerLayer` calls `self_attention(hidden_states, attention_mask=..., ...)` with a
-fixed set of arguments; rather than threading LongStraw arguments through every Megatron signature,
-capture and replay install an `AttentionPass` for the duration of a pass (`with attention_pass(...)`),
-and the attention modules read it. Outside a pass, the attention layers run the plain full-sequence
-forward from position 0, so the model is still an ordinary Megatron model.
+A pass is handed explicitly, as Megatron's `attention_mask` argument: it says what this pass's
+queries attend to, which is what a mask says. Megatron-Core 0.19.2 hands `attention_mask`
+unchanged from `HybridModel.forward(input_ids, position_ids, attention_mask, ...)` through
+`HybridStack.forward` and `TransformerLayer.forward` to `self_attention(hidden_states,
+attention_mask=..., ...)`, and MLP / MoE layers ignore it, so no Megatron signature changes and
+nothing is kept in module state. Capture, replay, the prompt backward and decode call the layers
+with `models/common.run_layer(layer, hidden, state)` / `run_group(group, hidden, state)` (also
+inside activation checkpointing, which gets the pass as an argument); a full-model forward is
+`model(input_ids, position_ids, attention_mask=state)`. With `attention_mask=None` the mixers run
+the plain full-sequence forward from position 0, so the model is still an ordinary Megatron model
+(`models/mixer.py`).
+
+A pass is immutable (a frozen dataclass): what layers fill during a pass (`selections` of the full
+indexer layers, `emitted`, `boundaries`, `used_selections`, the decode caches) lives in containers
+the caller hands in and reads afterwards; a pass that differs is a copy (`dataclasses.replace`,
+e.g. `member_pass`, or capture's per-block passes).
 
 Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `full`:    the current tokens are the whole sequence; keys are the current tokens (the reference).
@@ -42,9 +53,8 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Iterator, Literal, Optional
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
 
 import torch
 
@@ -99,8 +109,11 @@ class CPPass:
         return self.layout.group
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionPass:
+    """One pass of the state-aware mixers (module docstring); frozen: the containers it holds are
+    filled by the layers, its fields are never reassigned."""
+
     mode: Mode
     """What the attention layers do with their keys (see the module docstring)."""
     positions: torch.Tensor
@@ -155,26 +168,5 @@ def member_pass(state: AttentionPass, row: int) -> AttentionPass:
     """`decode`: the pass seen by the query of row `row` in a decode step: its position, its member's own
     top-k selections of this step (IndexShare layers read their source layer's for the same
     member)."""
-    return AttentionPass(mode="decode", positions=state.positions[row:row + 1], pages=state.pages,
-                         prefix_len=state.prefix_len, selections=state.member_selections[row],
-                         query_block=state.query_block, key_block=state.key_block,
-                         token_block=state.token_block, cp=state.cp, decode=state.decode)
-
-
-
-_CURRENT: list[AttentionPass] = []
-
-
-@contextlib.contextmanager
-def attention_pass(state: AttentionPass) -> Iterator[AttentionPass]:
-    """Install `state` for the attention layers for the duration of the block."""
-    _CURRENT.append(state)
-    try:
-        yield state
-    finally:
-        _CURRENT.pop()
-
-
-def current_pass() -> Optional[AttentionPass]:
-    """The installed pass, or None (plain full-sequence forward)."""
-    return _CURRENT[-1] if _CURRENT else None
+    return replace(state, positions=state.positions[row:row + 1],
+                   selections=state.member_selections[row], member_selections=None)

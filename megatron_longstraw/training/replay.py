@@ -26,7 +26,7 @@ from megatron_longstraw.training import routing_replay
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, attention_pass
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
 @dataclass
@@ -69,17 +69,19 @@ def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
                          prompt_state_grad=prompt_state_grad)
 
 
-def _run_branch(model, captured: CapturedPrompt, branch: Branch, checkpoint_layers: bool):
-    """Log-probs [c] of this rank's branch rows (the pass must be installed)."""
+def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
+                checkpoint_layers: bool):
+    """Log-probs [c] of this rank's branch rows in the pass `state`. A checkpointed layer gets the
+    pass as an argument, so its recompute in backward runs in the same pass."""
     hidden = embed(model, branch.input_ids)                           # [c, 1, h]
     groups = decoder_groups(model)
     for layer_idx, group in enumerate(groups):
         if captured.prefix_len and layer_idx + 1 < len(groups):
             captured.pages.prefetch(layer_idx + 1, hidden.device)    # one layer ahead
         if checkpoint_layers and torch.is_grad_enabled():
-            hidden = checkpoint(run_group, group, hidden, use_reentrant=False)
+            hidden = checkpoint(run_group, group, hidden, state, use_reentrant=False)
         else:
-            hidden = run_group(group, hidden)
+            hidden = run_group(group, hidden, state)
         captured.pages.release(layer_idx)
     return head_logprobs(model, hidden, branch.targets)
 
@@ -102,9 +104,9 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     route this rank's rows in every MoE layer."""
     branch = make_branch(captured, response_ids)
     state = _pass(captured, branch, cfg, selections=selections, mode="score")
-    with (torch.no_grad(), attention_pass(state),
+    with (torch.no_grad(),
           routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
-        logp = _run_branch(model, captured, branch, checkpoint_layers=False)
+        logp = _run_branch(model, captured, branch, state, checkpoint_layers=False)
     keep = "cpu" if cfg.offload_pages else None
     selections = {layer: sel.to(device=keep, dtype=torch.int32)
                   for layer, sel in state.selections.items()}
@@ -130,10 +132,9 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
     state = _pass(captured, branch, cfg, selections=selections, mode="replay",
                   prompt_state_grad=cfg.prompt_grad == "exact")
-    # Backward recomputes checkpointed layers: keep the pass (and the routing) installed.
-    with (attention_pass(state),
-          routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
-        logp = _run_branch(model, captured, branch, cfg.checkpoint_layers)
+    # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
+    with routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length):
+        logp = _run_branch(model, captured, branch, state, cfg.checkpoint_layers)
         num_valid = int(branch.valid.sum())
         loss = loss_fn(logp[:num_valid], slice(branch.rows.start, branch.rows.start + num_valid))
         loss.backward()

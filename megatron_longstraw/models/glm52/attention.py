@@ -350,7 +350,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     @classmethod
     def _implicit_full_pass(cls, hidden_states: torch.Tensor, layer_idx: int) -> AttentionPass:
-        """A plain Megatron forward (no LongStraw pass installed) is one sequence from position 0.
+        """A plain Megatron forward (no LongStraw pass given) is one sequence from position 0.
         Decoder layer 0 always has its own indexer; it opens the pass the later layers share, so
         IndexShare layers find their source layer's top-k. One such forward at a time: interleaved
         forwards of several sequences (recompute of another graph) need explicit passes."""
@@ -360,10 +360,11 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         state = cls._implicit[0]
         if state.positions.numel() != hidden_states.shape[0]:
             raise RuntimeError(
-                "A plain forward (no LongStraw pass installed) shares its IndexShare top-k between "
+                "A plain forward (no LongStraw pass given) shares its IndexShare top-k between "
                 "the layers of one sequence at a time; this layer sees another sequence (e.g. an "
-                "activation recompute interleaved with another forward). Run such forwards inside "
-                "`with attention_pass(AttentionPass(mode='full', positions=...))`.")
+                "activation recompute interleaved with another forward). Give such forwards "
+                "their pass: `model(input_ids, position_ids, "
+                "attention_mask=AttentionPass(mode='full', positions=...))`.")
         return state
 
     def _index_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

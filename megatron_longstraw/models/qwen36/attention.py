@@ -9,7 +9,7 @@ parameter names, built from the same spec) with `forward` replaced:
     o = softmax(q k^T / sqrt(d) + causal) v           blockwise over keys, log-sum-exp merge
     out = linear_proj(o * sigmoid(gate))
 
-Which keys exist and which positions the tokens have come from the installed `AttentionPass`
+Which keys exist and which positions the tokens have come from the given `AttentionPass`
 (`state.py`): `full` attends over the current tokens; `capture` also appends each token's K (after
 norm and RoPE) and V to the page store and keeps no autograd state; `replay` attends over the
 captured prompt pages plus the current tokens. Memory: capture runs token blocks in order (a block's
