@@ -212,8 +212,10 @@ def test_gradients_all_params_with_a_one_token_prompt(checkpoint_layers):
 def test_prompt_state_gradients_on_request():
     """Exact prompt gradient: with `prompt_state_grad`, replay adds d loss / d state on the
     store's buffers for every kind (GDN state and conv tail, K/V pages), and it is the true derivative: a
-    central finite difference along a random direction agrees (fp64, relative 1e-6; the difference
-    quotient's own error, truncation O(eps^2) plus rounding ~1e-14 / eps, is ~1e-8)."""
+    central finite difference along a random direction agrees (fp64: relative 1e-6, plus the
+    difference quotient's own rounding error, a few ulps of the scored sum over 2 eps; truncation
+    is O(eps^2), negligible. The rounding term matters where the directional derivative is small:
+    K pages of layer 3, ~1.5e-3, whose quotient is off by ~3e-9 on some CPUs' kernels)."""
     from megatron_longstraw.training import replay as replay_mod
 
     cfg, model = build_tiny_qwen(torch.float64)
@@ -245,7 +247,9 @@ def test_prompt_state_gradients_on_request():
         rows.copy_(saved)
         numeric = float(values[0] - values[1]) / (2 * eps)
         analytic = float((pages.grad(layer, kind) * direction).sum())
-        assert abs(numeric - analytic) <= 1e-6 * abs(analytic), (layer, kind, numeric, analytic)
+        rounding = 8 * torch.finfo(torch.float64).eps * float(values[0].abs()) / (2 * eps)
+        assert abs(numeric - analytic) <= 1e-6 * abs(analytic) + rounding, (
+            layer, kind, numeric, analytic, rounding)
 
 
 def test_all_param_gradients_at_fixed_prompt_state_match_finite_differences():
