@@ -57,6 +57,12 @@ class LongStrawMLADenseAttention(DenseStateAttention, AbsorbedMLA):
     def layer_idx(self) -> int:
         return decoder_layer_index(self.layer_number)
 
+    # Not the base's: the block's latent rows are written and dropped before its queries attend
+    # (the base holds one projection through the attention: Qwen3.6's one GEMM makes both).
+    def forward_capture_block(self, x: torch.Tensor, state: AttentionPass):
+        self.forward_capture_rows(x, state)
+        return self.forward_capture_block_sharded(x, state)
+
     # Not in the base: the ring holds only the shard's input and latents (Qwen3.6: its q, gate).
     def forward_capture_sharded(self, x: torch.Tensor, state: AttentionPass):
         """Capture of this rank's load-balanced prompt shard: its latent rows become its pages;
