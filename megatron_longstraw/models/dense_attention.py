@@ -35,7 +35,9 @@ absorbed queries, [s, heads, d_qk], several times x's size, are made per query b
 
 Whole-shard capture under CP (`forward_capture_sharded`) stays in each family: what it holds for
 the ring differs (Qwen3.6 the shard's q and gate; DeepSeek-V3 only the layer input, its queries
-made again per query block).
+made again per query block). So does DeepSeek-V3's streamed capture block, which drops its latent
+rows before its queries attend (`forward_capture_block` here holds one projection's rows and
+queries: Qwen3.6's one GEMM makes both).
 """
 
 from __future__ import annotations
