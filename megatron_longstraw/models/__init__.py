@@ -1,7 +1,7 @@
 """The model families and what they share: one folder per family (`glm52`, `qwen36`, `deepseekv3`)
 exporting one `Family` record (`family.py` says what it holds), collected by `registry`; the mixer
 protocol (`mixer`), the dense attention modes Qwen3.6 and DeepSeek-V3 share (`dense_attention`),
-context parallelism applied from outside (`context_parallel`), the shared MLA pieces, the HF
-conversion helpers and the memory planner's vocabulary (`footprint`, `mla_footprint`; each
-family's formulas in its folder's `planner.py`). Imports: runtime, kernels, distributed, data,
-state, config."""
+context parallelism applied from outside (`context_parallel`), the shared MLA
+pieces, the HF conversion helpers and the memory planner's vocabulary (`footprint`,
+`mla_footprint`; each family's formulas in its folder's `planner.py`). Imports: runtime, kernels,
+distributed, data, state, config."""
