@@ -1,8 +1,8 @@
 """The model families and what they share: one folder per family (`glm52`, `qwen36`, `deepseekv3`)
 exporting one `Family` record (`family.py` says what it holds), collected by `registry`; the mixer
 protocol (`mixer`), the dense attention modes Qwen3.6 and DeepSeek-V3 share (`dense_attention`),
-context parallelism applied from outside (`context_parallel`), the shared MLA
-pieces, the HF conversion helpers and the memory planner's vocabulary (`footprint`,
-`mla_footprint`; each family's formulas in its folder's `planner.py`), and a family's model with
-reproducible non-trivial weights for the small-scale evidence tools (`seeded`). Imports: runtime,
-kernels, distributed, data, state, config."""
+context parallelism applied from outside (`context_parallel`), the shared MLA pieces, the HF
+conversion helpers, the memory planner's vocabulary (`footprint`, `mla_footprint`; each family's
+formulas in its folder's `planner.py`), and a family's model with reproducible non-trivial weights
+for the small-scale evidence tools (`seeded`). Imports: runtime, kernels, distributed, data, state,
+config."""
