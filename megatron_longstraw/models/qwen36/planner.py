@@ -310,8 +310,7 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     def attention_block(tokens: int) -> list[Item]:
         """One block of `tokens` queries through gated attention without autograd (attention.py
         `_project`; models/dense_attention.py's capture and replay modes): what lives through the
-        layer call, then
-        one of four moments (the group: never together)."""
+        layer call, then one of four moments (the group: never together)."""
         return [
             Item("linear_qkv output [tokens, (2 heads + 2 groups) x d] (k, v are views of it)",
                  tokens * (2 * H + 2 * G) * d * b),
