@@ -33,7 +33,7 @@ def longstraw_cfg(group_size):
 def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
     """One optimizer step over this rank's groups; returns (logps, grads, params, selections)."""
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -57,7 +57,7 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
 def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -65,7 +65,7 @@ def layout_worker(rank, cp, ep, state_path, num_groups_total, repeat=1):
     full = torch.load(state_path)
     outs = []
     for _ in range(repeat):
-        parallel.load_full_state_dict(model, full, cfg.n_routed_experts)
+        expert_names.load_full_state_dict(model, full, cfg.n_routed_experts)
         groups = groups_for(cfg, num_groups_total)
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         mine = groups[dp_rank::dp_size]
@@ -123,14 +123,14 @@ def stock_finalize_worker(rank, state_path):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, is_expert_param
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
     cfg, model = build_tiny_glm(torch.float64)
-    parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+    expert_names.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
     group = groups_for(cfg, 1)[0]
     forward_backward_longstraw(model, group, longstraw_cfg(3))
     finalize_longstraw_grads(model)
@@ -160,13 +160,13 @@ def stock_finalize_worker(rank, state_path):
 
 def short_prompt_worker(rank, state_path, prompt_len):
     """CP2/EP2 scoring of a prompt whose shards hold fewer keys than the DSA top-k."""
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
     cfg, model = build_tiny_glm(torch.float64)
-    parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+    expert_names.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
     group = groups_for(cfg, 1, prompt_len=prompt_len)[0]
     result = forward_backward_longstraw(model, group, longstraw_cfg(3))
     return {"logps": [lp.clone() for lp in result.logps], "plain_forward": _plain_forward(model)}
@@ -207,7 +207,7 @@ def qwen_layout_worker(rank, cp, state_path, prompt_len, lens, repeat=1):
 def _case_model(family, cp, ep, state_path):
     """A case's tiny fp64 model on CP (x EP) ranks, with the test's weights (this rank's experts).
     -> (config, model, number of routed experts)"""
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
 
     parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -217,7 +217,7 @@ def _case_model(family, cp, ep, state_path):
         build = build_tiny_glm if family == "glm52" else build_tiny_qwen
     cfg, model = build(torch.float64)
     experts = getattr(cfg, "n_routed_experts", 0) or 0
-    parallel.load_full_state_dict(model, torch.load(state_path), experts)
+    expert_names.load_full_state_dict(model, torch.load(state_path), experts)
     return cfg, model, experts
 
 
@@ -225,10 +225,9 @@ def exact_gradient_worker(rank, cases, lens):
     """Groups with the exact prompt gradient on CP (x EP) ranks, one case after the other in the
     same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
     gradients by global name (fp64), for the test to compare with full-sequence autograd."""
-    from megatron_longstraw.distributed import parallel
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
     from megatron_longstraw.training.schedule import forward_backward_longstraw
     from megatron_longstraw.data.group import GRPOGroup
 
@@ -254,7 +253,6 @@ def decode_worker(rank, cases):
     """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
     prompt length)): every case's (token ids, log-probs) per member, for the test to compare
     with one process."""
-    from megatron_longstraw.distributed import parallel
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.rollout.decode import generate

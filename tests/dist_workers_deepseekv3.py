@@ -15,7 +15,7 @@ def layout_worker(rank, cp, ep, state_path, prompt_len, lens, repeat=1):
     (twice with repeat=2), and this rank's captured latent pages with their global positions."""
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
     from megatron_longstraw.context.capture import capture_prompt
     from dist_workers import longstraw_cfg
 
@@ -26,9 +26,9 @@ def layout_worker(rank, cp, ep, state_path, prompt_len, lens, repeat=1):
     group = groups_for(cfg, 1, prompt_len=prompt_len, lens=lens)[0]
     runs = []
     for _ in range(repeat):
-        parallel.load_full_state_dict(model, full, cfg.n_routed_experts)
+        expert_names.load_full_state_dict(model, full, cfg.n_routed_experts)
         runs.append(step(model, cfg, [group], 1))
-    parallel.load_full_state_dict(model, full, cfg.n_routed_experts)  # the step's starting weights
+    expert_names.load_full_state_dict(model, full, cfg.n_routed_experts)  # the step's starting weights
     captured = capture_prompt(model, group.prompt_ids, longstraw_cfg(len(lens)))
     pages = {layer: captured.pages.fetch(layer, "latent").clone()
              for layer in captured.pages.layers()}

@@ -38,7 +38,7 @@ def test_shard_rows_and_capture_blocks(cp, length):
     lies there; every rank runs as many token blocks (MoE is a collective), contiguous, covering
     its rows, none larger than the token block; one process: blocks of token_block rows."""
     from megatron_longstraw.models.context_parallel import capture_blocks
-    from megatron_longstraw.distributed.parallel import CPLayout
+    from megatron_longstraw.distributed.cp_layout import CPLayout
 
     token_block = 12
     counts = set()
@@ -76,7 +76,7 @@ SHARDS_BY_HAND = {
 def test_shard_ranges_by_hand(length, cp):
     """`CPLayout.shard_ranges` equals the hand-worked ranges (the test above checks the other
     helpers against it), and `prompt_positions` lists their positions."""
-    from megatron_longstraw.distributed.parallel import CPLayout
+    from megatron_longstraw.distributed.cp_layout import CPLayout
 
     for rank, expected in enumerate(SHARDS_BY_HAND[length, cp]):
         layout = CPLayout(None, cp, rank)

@@ -39,7 +39,7 @@ def _optimizer(model):
 
 
 def _params(model):
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
 
     n = model.longstraw_config.n_routed_experts
     return {global_name(name, n): p.detach().clone() for name, p in model.named_parameters()}
@@ -136,7 +136,7 @@ def resume_worker(rank, save_dir, model_dir):
     from megatron_longstraw.adapters.lora import LoRAConfig, apply_lora, lora_modules
     from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
     from megatron_longstraw.adapters.lora import merged_state_dict
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
 
     apply_lora(fresh, LoRAConfig(rank=2, targets=GLM52_TARGETS))
     with torch.no_grad():

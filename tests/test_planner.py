@@ -19,7 +19,7 @@ from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.runtime.memory import SavedTensorMeter
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
-from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.distributed.cp_layout import CPLayout
 from megatron_longstraw.training.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 

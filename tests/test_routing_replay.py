@@ -275,16 +275,16 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def routing_replay_worker(rank, state_path, group):
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, expert_names
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
     cfg, model = build_tiny_glm(torch.float64)
-    parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+    expert_names.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
     result = forward_backward_longstraw(model, group, _cfg())
     finalize_longstraw_grads(model)
-    grads = {parallel.global_name(n, cfg.n_routed_experts): p.grad.clone()
+    grads = {expert_names.global_name(n, cfg.n_routed_experts): p.grad.clone()
              for n, p in model.named_parameters() if p.grad is not None}
     return {"logps": result.logps, "logps_old": result.logps_old, "grads": grads}
 

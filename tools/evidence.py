@@ -85,7 +85,7 @@ def update_step(model, cfg, group, ls_cfg, lr=1e-3):
     import torch
 
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -120,7 +120,7 @@ def rank_main(rank, world, init_file, args, state_path, results):
         import torch
 
         from megatron_longstraw.data.groups import random_group
-        from megatron_longstraw.distributed import parallel
+        from megatron_longstraw.distributed import parallel, expert_names
         from megatron_longstraw.models.seeded import build_seeded_model
         from megatron_longstraw.runtime.memory import SavedTensorMeter, peak_rss_bytes
         from megatron_longstraw.training.schedule import forward_backward_longstraw, train_step
@@ -130,7 +130,7 @@ def rank_main(rank, world, init_file, args, state_path, results):
         out = {"rank": rank}
         # Levels 2 and 3: the fp64 step from the reference weights.
         cfg, model = build_seeded_model(torch.float64, args.seed, args.config, args.family)
-        parallel.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
+        expert_names.load_full_state_dict(model, torch.load(state_path), cfg.n_routed_experts)
         group = random_group(cfg.vocab_size, args.prompt_len, args.response_lens, args.seed + 7)
         out["step"] = update_step(model, cfg, group, longstraw_cfg(args, len(args.response_lens)))
         # Level 1: saved bytes without checkpointing (the per-layer working sets), small group.

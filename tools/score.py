@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
 
     from megatron_longstraw.runtime import errors
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import parallel, cp_layout
     from megatron_longstraw.training.arguments import longstraw_config_from_yaml
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.data.groups import read_records
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     records = read_records(args.input, tokenizer=args.tokenizer, vocab_size=model_cfg.vocab_size,
                            require_rewards=False)
     overall = MismatchStats(args.mismatch_threshold, args.num_worst)
-    scores = iter_scores(model, agreed_records(records, parallel.CPLayout.current()), ls,
+    scores = iter_scores(model, agreed_records(records, cp_layout.CPLayout.current()), ls,
                          args.mismatch_threshold, args.num_worst, overall, log)
     results = _write_lines(args.out, scores) if rank0 else list(scores)
 

@@ -265,7 +265,7 @@ def resolve_targets(model: nn.Module, cfg: LoRAConfig, strict: bool) -> LoRAConf
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, quantize_base: bool = False) -> LoRASummary:
     """Wrap every targeted Megatron linear of `model` in place; freeze every other parameter."""
-    from megatron_longstraw.distributed.parallel import global_name
+    from megatron_longstraw.distributed.expert_names import global_name
 
     if any(True for _ in lora_modules(model)):
         raise ValueError("apply_lora was already applied to this model.")

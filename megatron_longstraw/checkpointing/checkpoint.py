@@ -61,7 +61,7 @@ from megatron_longstraw.checkpointing.model_format import (
     read_meta, routed_expert_names, unwrap, write_safetensors, write_text_atomic,
 )
 from megatron_longstraw.distributed.agreement import check_same, together
-from megatron_longstraw.distributed.parallel import global_name
+from megatron_longstraw.distributed.expert_names import global_name
 
 TRAIN_FORMAT = "longstraw-train"
 TRAIN_META, LATEST = "meta.json", "latest"

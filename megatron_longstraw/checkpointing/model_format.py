@@ -41,7 +41,7 @@ from megatron_longstraw.kernels import fp8
 from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
 from megatron_longstraw.distributed.agreement import together
 from megatron_longstraw.distributed.finalize import is_expert_param
-from megatron_longstraw.distributed.parallel import global_name, load_full_state_dict
+from megatron_longstraw.distributed.expert_names import global_name, load_full_state_dict
 
 MODEL_FORMAT = "longstraw-model"
 FORMAT_VERSION = 1

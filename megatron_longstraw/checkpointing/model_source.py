@@ -59,7 +59,7 @@ def load_weights(model, path: str | Path, num_experts: int) -> Path:
     from safetensors.torch import load_file
 
     from megatron_longstraw.checkpointing import model_format
-    from megatron_longstraw.distributed import parallel
+    from megatron_longstraw.distributed import expert_names
     from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
 
     path = Path(path)
@@ -72,13 +72,13 @@ def load_weights(model, path: str | Path, num_experts: int) -> Path:
         model_format.check_model_config(meta, model, path / model_format.MODEL_META)
     full = load_file(str(file))
     for name, tensor in model.state_dict().items():
-        source = full.get(parallel.global_name(name, num_experts))
+        source = full.get(expert_names.global_name(name, num_experts))
         if source is not None and source.shape != tensor.shape:
             raise CheckpointError(f"--checkpoint {file}: {name} has shape "
                                   f"{tuple(source.shape)} there but {tuple(tensor.shape)} in the "
                                   "model built from --config; the config does not match the "
                                   "checkpoint.")
-    parallel.load_full_state_dict(model, full, num_experts)
+    expert_names.load_full_state_dict(model, full, num_experts)
     return file
 
 

@@ -39,7 +39,7 @@ from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, m
                                                run_layer, selection_kinds)
 from megatron_longstraw.models.context_parallel import StreamedCapture, capture_blocks
 from megatron_longstraw.state.pages import PageStore
-from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.distributed.cp_layout import CPLayout
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron_longstraw.runtime.errors import PeerFailure, default_store
 
 if TYPE_CHECKING:
-    from megatron_longstraw.distributed.parallel import CPLayout
+    from megatron_longstraw.distributed.cp_layout import CPLayout
 
 
 def is_distributed() -> bool:

@@ -29,8 +29,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
-from megatron_longstraw.distributed.parallel import all_reduce_sum, gradient_groups, sum_grads
+from megatron_longstraw.distributed.collectives import all_reduce_sum
+from megatron_longstraw.distributed.parallel import gradient_groups
 
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
@@ -72,3 +74,29 @@ def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+def sum_grads(params: list[torch.nn.Parameter], group) -> None:
+    """SUM-all-reduce the gradients of `params` over `group`, one flat buffer per dtype (no-op
+    without a group or on a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    # A parameter no rank used (the DSA indexer: it only selects) keeps grad None, as it would in
+    # one process; one used elsewhere but not here joins the sum with zeros.
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+    params = [p for p, u in zip(params, used.tolist()) if u]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for same in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in same:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n

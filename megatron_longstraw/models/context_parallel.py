@@ -15,13 +15,13 @@ call these functions for everything that crosses ranks:
 - Branch passes. `attend_branch` gathers the branch's rows (queries, and the branch's own keys) to
   every rank, lets the mixer attend all branch queries over this rank's prompt shard plus the
   branch's own keys, and merges the partial outputs by log-sum-exp, reduce-scattered to the rows'
-  owners (`parallel.merge_partials_by_lse`). The branch's own keys are on every rank, so every
+  owners (`collectives.merge_partials_by_lse`). The branch's own keys are on every rank, so every
   rank builds the same autograd graph (and the backward collectives line up), but only rank 0
   lets queries see them (`branch_keys_counted_here`, `branch_key_positions`): they count once.
   Backward mirrors the forward through the differentiable gather and reduce-scatter.
 
 Gated DeltaNet's recurrence is sequential in tokens and independent across heads, so its CP is a
-rows <-> heads exchange instead (`parallel.HeadParallel`, Megatron's own GDN CP scheme).
+rows <-> heads exchange instead (`collectives.HeadParallel`, Megatron's own GDN CP scheme).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_longstraw.distributed import parallel
+from megatron_longstraw.distributed import collectives
 from megatron_longstraw.kernels.refs import merge_partial_attention
 from megatron_longstraw.runtime.memory import note_host
-from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.distributed.cp_layout import CPLayout
 from megatron_longstraw.state.attention_pass import AttentionPass
 
 
@@ -146,14 +146,14 @@ def gather_prompt_keys(rows: torch.Tensor, state: AttentionPass) -> tuple[torch.
     """Capture: this rank's key rows [n_local, ...] -> (every rank's rows in position order
     [global_len, ...], their positions [global_len])."""
     total = state.cp.global_len
-    gathered = parallel.gather_sequence(rows, state.positions, total, state.cp.layout)
+    gathered = collectives.gather_sequence(rows, state.positions, total, state.cp.layout)
     return gathered, torch.arange(total, device=rows.device)
 
 
 def gather_prompt_keys_differentiable(rows: torch.Tensor, state: AttentionPass) -> torch.Tensor:
     """Prompt backward: `gather_prompt_keys`' rows under autograd (each key's cotangent, summed
     over the ranks whose queries read it, returns to its owner). -> [global_len, ...]"""
-    return parallel.gather_sequence_differentiable(rows, state.positions, state.cp.global_len,
+    return collectives.gather_sequence_differentiable(rows, state.positions, state.cp.global_len,
                                                    state.cp.layout)
 
 
@@ -168,10 +168,10 @@ def ring_attention(state: AttentionPass, keys: torch.Tensor, values: torch.Tenso
     rows = max(p.numel() for p in shards)
     out = lse = None
     for src in range(cp.size):
-        src_k = parallel.broadcast_rows(keys, src, rows, cp.layout)
-        src_v = parallel.broadcast_rows(values, src, rows, cp.layout)
+        src_k = collectives.broadcast_rows(keys, src, rows, cp.layout)
+        src_v = collectives.broadcast_rows(values, src, rows, cp.layout)
         # Padding rows get a position after every query: never visible.
-        src_pos = parallel.broadcast_rows(state.positions, src, rows, cp.layout, fill=cp.global_len)
+        src_pos = collectives.broadcast_rows(state.positions, src, rows, cp.layout, fill=cp.global_len)
         part_out, part_lse = attend(src_k, src_v, src_pos)
         if out is None:
             out, lse = part_out, part_lse
@@ -200,9 +200,9 @@ def attend_branch(state: AttentionPass, rows: Sequence[torch.Tensor],
     (queries first, then e.g. the branch's own keys); `attend(*gathered)` gets each of them for the
     whole padded branch and returns the partial (out [R_pad, h, d], lse [R_pad, h]) of all branch
     queries over this rank's keys. -> this rank's rows of the merged output [c, h, d]."""
-    gathered = [parallel.gather_rows(t, state.cp.layout) for t in rows]
+    gathered = [collectives.gather_rows(t, state.cp.layout) for t in rows]
     out, lse = attend(*gathered)
-    return parallel.merge_partials_by_lse(out, lse, state.cp.layout)
+    return collectives.merge_partials_by_lse(out, lse, state.cp.layout)
 
 
 def merge_replicated(out: torch.Tensor, lse: torch.Tensor, state: AttentionPass) -> torch.Tensor:

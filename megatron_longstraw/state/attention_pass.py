@@ -59,7 +59,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron_longstraw.state.pages import PageStore
-from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.distributed.cp_layout import CPLayout
 
 Mode = Literal["full", "capture", "capture_block", "capture_rows", "score", "replay",
                "prompt_backward", "prompt_rows", "decode"]

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_longstraw.distributed import parallel
+from megatron_longstraw.distributed import collectives
 from megatron_longstraw.training import routing_replay
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.config.settings import LongStrawConfig
@@ -88,7 +88,7 @@ def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: Attentio
 
 def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt) -> torch.Tensor:
     """This rank's rows [c] -> the whole member [R] on every rank (no autograd)."""
-    return parallel.gather_tensor(values.detach(), captured.layout)[:branch.length]
+    return collectives.gather_tensor(values.detach(), captured.layout)[:branch.length]
 
 
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,

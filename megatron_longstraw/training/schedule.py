@@ -32,7 +32,7 @@ from megatron_longstraw.grpo import offpolicy
 from megatron_longstraw.training import routing_replay
 from megatron_longstraw.kernels import select
 from megatron_longstraw.distributed.agreement import any_rank, check_agreement, fail_together
-from megatron_longstraw.distributed.parallel import CPLayout
+from megatron_longstraw.distributed.cp_layout import CPLayout
 from megatron_longstraw.context.prompt_backward import prompt_backward
 from megatron_longstraw.training.replay import replay_member, score_member
 

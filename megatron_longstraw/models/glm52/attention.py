@@ -22,7 +22,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_longstraw.distributed import parallel
+from megatron_longstraw.distributed import collectives
 from megatron_longstraw.kernels import refs, select
 from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.models import context_parallel, partials
@@ -252,7 +252,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                     if not here:
                         own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
                     k = min(cfg.dsa_indexer_topk, state.prefix_len + own.shape[0])
-                    selection = parallel.merge_topk_candidates(
+                    selection = collectives.merge_topk_candidates(
                         torch.cat([scores, own_s], 1), torch.cat([found, own_p], 1), k, cp.layout)
                 member.selections[core.layer_idx] = selection
             local = context_parallel.local_key_index(selection, cp.prefix_positions,
@@ -300,10 +300,10 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         def candidates(q_index, weights):
             # Per query block: the exchanged candidates are [query_block, CP * 2 * top-k], not
             # [R, CP * 2 * top-k] (every rank runs the same blocks: each merge is a collective).
-            all_q = parallel.gather_rows(q_index, cp.layout)
-            all_w = parallel.gather_rows(weights, cp.layout)
+            all_q = collectives.gather_rows(q_index, cp.layout)
+            all_w = collectives.gather_rows(weights, cp.layout)
             prefix_keys = self.read_page(state, INDEX_KEY, x.device, differentiable=False)
-            all_index_keys = parallel.gather_rows(own_index_keys, cp.layout)
+            all_index_keys = collectives.gather_rows(own_index_keys, cp.layout)
             k = min(self.config.dsa_indexer_topk, state.prefix_len + branch_positions.numel())
             selection = []
             for start in range(0, all_q.shape[0], state.query_block):
@@ -314,7 +314,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
                                                 branch_positions, branch_positions[rows], state)
                 if not context_parallel.branch_keys_counted_here(state):
                     own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
-                selection.append(parallel.merge_topk_candidates(
+                selection.append(collectives.merge_topk_candidates(
                     torch.cat([scores, own_s], 1), torch.cat([pos, own_p], 1), k, cp.layout))
             return torch.cat(selection)
 

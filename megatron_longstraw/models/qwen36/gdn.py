@@ -43,7 +43,7 @@ from megatron.core.ssm.gated_delta_net.common import (
 
 from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.models.qwen36.config import decoder_layer_index
-from megatron_longstraw.distributed.parallel import HeadParallel
+from megatron_longstraw.distributed.collectives import HeadParallel
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.state.attention_pass import AttentionPass
