@@ -37,7 +37,7 @@ Parallelism: LongStraw runs TP = 1 (docs/design.md section 3). A wrapper refuses
 parallel group is larger. Each adapter parameter copies its base weight's `allreduce` attribute, so
 adapters of dense layers are replicated parameters that finalize.py sums over DP x CP, and adapters
 of experts (allreduce=False under EP > 1) stay with their expert. `A` is seeded from the layer's
-single-process name (`parallel.global_name`), so every CP rank, and any EP layout, starts from the
+single-process name (`expert_names.global_name`), so every CP rank, and any EP layout, starts from the
 same adapters.
 """
 

@@ -11,7 +11,7 @@ Model format (written by `tools/convert_hf.py` and `save_model`, read by `load_m
                          "source": free-form provenance (e.g. the HF directory)}
     model.safetensors   the single-process state dict: the names of `build_glm52_model(cfg)
                         .state_dict()` (or `build_qwen36_model`'s) at EP = 1, routed experts
-                        under their global index (`parallel.global_name`), without
+                        under their global index (`expert_names.global_name`), without
                         `_extra_state` entries and the routers' `local_tokens_per_expert`
                         statistics. Routers' `expert_bias` stays float32
                         whatever "dtype" says (Megatron keeps it in float32).

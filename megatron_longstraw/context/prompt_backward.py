@@ -34,7 +34,7 @@ MoE routing is recomputed as in the forward (same input, same experts; aux-loss-
 the per-block recompute computes the same routing as capture's chunks). Under context
 parallelism (`_whole_shard`) each rank recomputes its prompt shard at once: the attention gathers
 the whole prompt's key rows under autograd, so each key's cotangent, summed over the ranks whose
-queries read it, returns to its owner (`parallel.gather_sequence_differentiable`); GDN exchanges
+queries read it, returns to its owner (`collectives.gather_sequence_differentiable`); GDN exchanges
 rows and heads as in capture (differentiable both ways); each rank's pages, and so their
 cotangents, are its own. That path's memory is one layer's graph over the shard, O(P / CP) (a
 ring of key blocks, as capture's streaming needs, would bound it by a block too). Parameter

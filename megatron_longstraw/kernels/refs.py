@@ -202,7 +202,7 @@ def lse_merge_weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     over partials: the merge divides it out). An empty partial (lse = -inf) weighs 0; a row that no
     partial sees (total = -inf) gets weights 0 (its merged output is 0). The one merge rule:
     `merge_partial_attention` (partials on one process, blockwise attention's key blocks) and
-    `parallel.merge_partials_by_lse` (partials on the CP ranks, reduce-scattered) both use it."""
+    `collectives.merge_partials_by_lse` (partials on the CP ranks, reduce-scattered) both use it."""
     return torch.exp(lse - total.nan_to_num(neginf=0.0))
 
 

@@ -210,7 +210,7 @@ def streamed_capture_device(cfg, n: int, tb: int, b: float, cp: int = 1,
 
 def local_prompt_rows(prompt_len: int, cp: int) -> int:
     """Captured rows on the busiest rank: the prefix `prompt[:-1]` in Megatron's load-balanced
-    2*CP-chunk order (parallel.CPLayout.prompt_positions)."""
+    2*CP-chunk order (cp_layout.CPLayout.prompt_positions)."""
     captured = max(prompt_len - 1, 0)
     if cp == 1:
         return captured
@@ -233,7 +233,7 @@ def page_bytes(pages: list[PageKind], rows: int, page_tokens: int) -> tuple[floa
 
 
 def lse_merge_saved(queries: int, rows: int, heads: int, width: int, acc: float) -> float:
-    """parallel.merge_partials_by_lse under autograd on one rank: its partial [queries, heads,
+    """collectives.merge_partials_by_lse under autograd on one rank: its partial [queries, heads,
     width] over its keys is weighted by exp(lse - max) and [weight * out; weight] is
     reduce-scattered, leaving its own `rows` merged rows. Saved: the weight (and its [..., None]
     view, by the product), the partial in `acc`; numerator / clamp_min(denominator) (both, and

@@ -111,7 +111,7 @@ def capture_moe_items(cfg, spec: PlanSpec, n: int, window_values: int = 0) -> li
 
 
 def lse_merge_item(cfg, r_pad: int, cp: int, acc: float) -> Item:
-    """Scoring under CP: parallel.merge_partials_by_lse of all branch queries' partial latent
+    """Scoring under CP: collectives.merge_partials_by_lse of all branch queries' partial latent
     outputs."""
     H, kvr = cfg.num_attention_heads, cfg.kv_lora_rank
     return Item("LSE merge: [weight * out; weight] [R, heads, kv_lora_rank + 1] fp32 + reduce-scatter",

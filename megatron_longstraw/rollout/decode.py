@@ -22,7 +22,7 @@ Under context parallelism every rank of the CP group runs the same rows (the G m
 and keeps the same branch caches; its pages are its prompt shard. Attention attends each query
 over this rank's shard (rank 0 also over the member's cache) and merges the ranks' partial
 outputs by log-sum-exp (`context_parallel.merge_replicated`, rank order on every rank: the same
-bits everywhere); DSA merges every rank's top-k candidates (`parallel.merge_topk_candidates`);
+bits everywhere); DSA merges every rank's top-k candidates (`collectives.merge_topk_candidates`);
 GDN runs this rank's heads from its pages' state and gathers the heads' outputs; MoE dispatches
 each rank's copy of the rows (EP). So every rank samples the same tokens
 (`tests/test_decode.py`: CP2 and CP2/EP2 equal one process).

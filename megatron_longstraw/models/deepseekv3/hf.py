@@ -7,7 +7,7 @@ The tensor correspondences are exactly the MLA + MoE mapping shared with GLM-5.2
 (`models/hf_common.py`: layout, fused `[gate; up]` rows, routed experts, the strict drivers); what
 is DeepSeek-V3's own is the config: YaRN RoPE (`rope_parameters` <-> the flat `rope_*` fields),
 `rope_interleave`, `topk_method="noaux_tc"` and group-limited routing. Only expert-parallel size 1
-is supported here (every rank holds all experts; `parallel.load_full_state_dict` shards a full
+is supported here (every rank holds all experts; `expert_names.load_full_state_dict` shards a full
 state dict over EP).
 
 transformers builds `q_a_layernorm` / `kv_a_layernorm` with eps 1e-6 whatever `rms_norm_eps` is;

@@ -49,7 +49,7 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
         + 3 * q * H * (kvr * b + acc)                  # the merge
         + H * q * kvr * b                              # out_latent . W_UV (einsum)
     )
-    if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
+    if cp > 1:  # collectives.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
         attention += lse_merge_saved(q, c, H, kvr, acc)
     # the router's scratch: sigmoid, group mask, top-k over [c, E]
     dense, moe = ffn_saved(cfg, c, b, router_bytes, 3 * c * cfg.n_routed_experts * router_bytes)

@@ -74,7 +74,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
         + 3 * q * H * (kvr * b + acc)                  # the merge
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
     )
-    if cp > 1:  # parallel.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
+    if cp > 1:  # collectives.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
         attention += lse_merge_saved(q, c, H, kvr, acc)
     E = cfg.n_routed_experts
     # the router's sigmoid / top-k scratch: two [c, E] and one [c] (measured)

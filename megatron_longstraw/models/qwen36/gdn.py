@@ -21,7 +21,7 @@ see platform.py entry 6), which accepts an initial state and returns the final o
 
 Context parallelism (Megatron's own GDN CP scheme): the recurrence is sequential in tokens but
 independent across heads, so `in_proj`'s output goes from this rank's rows of every head to every
-row of this rank's heads (`parallel.HeadParallel`, an all-to-all after Megatron's head permutation
+row of this rank's heads (`collectives.HeadParallel`, an all-to-all after Megatron's head permutation
 `_build_head_perm_for_split_sections`), the conv and the recurrence run over the whole sequence in
 position order for H_v / CP value heads (and their H_k / CP query/key heads) with this rank's slice
 of `conv1d`, `A_log` and `dt_bias` (`get_parameter_local_cp`), and the gated-norm output goes back

@@ -199,7 +199,7 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
         + 2 * hv * b + 2 * s * hv * acc + s * hv * b   # g = -exp(A_log) * softplus(.), sigmoid(beta)
     )
     if cp > 1:
-        # parallel.HeadParallel: in_proj output to heads (head permutation index, row index), this
+        # collectives.HeadParallel: in_proj output to heads (head permutation index, row index), this
         # rank's conv1d weight (a copy); back to rows (index_copy's index and source)
         gdn_outer += 8 * in_proj + 8 * s + conv * K * b
         gdn_after_core += 8 * s + s * hv * dv * b
