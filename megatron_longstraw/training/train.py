@@ -57,6 +57,7 @@ from megatron_longstraw.training.arguments import (
     lora_settings_from_args,
     model_config_values,
 )
+from megatron_longstraw.config.settings import PromptGrad
 from megatron_longstraw.runtime.errors import CheckpointError, ConfigError, FlagError
 from megatron_longstraw.training.exit_conditions import ExitConditions
 from megatron_longstraw.models.registry import check_parallel_sizes, get_family
@@ -118,7 +119,7 @@ def resolve_lora(args, family: str, ls):
                 "run would need a frozen copy of the initial model, which the launcher does not "
                 "build. Set --longstraw-kl-coef 0 or train adapters.")
         return None, ls
-    if ls.prompt_grad == "exact" and lora.config.dropout > 0:
+    if ls.prompt_grad is PromptGrad.EXACT and lora.config.dropout > 0:
         raise ValueError(f"--longstraw-lora-dropout {lora.config.dropout:g} with "
                          "--longstraw-prompt-grad exact: the prompt backward recomputes the "
                          "prompt's forward, which capture ran without dropout; a dropout sample "
