@@ -279,11 +279,13 @@ def streamed_capture_worker(rank, cases, blocks):
     bytes."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.state.attention_pass import PromptGrad
     from megatron_longstraw.runtime.memory import LiveBytesMeter
 
     def capture(model, ids, mode, exact):
         ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=64, **blocks)
-        return capture_prompt(model, ids, ls, keep_for_backward=exact)
+        return capture_prompt(model, ids, ls,
+                              prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
 
     def contents(captured):
         pages = captured.pages

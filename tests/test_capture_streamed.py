@@ -21,6 +21,7 @@ import torch
 from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.runtime.memory import LiveBytesMeter
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -44,7 +45,8 @@ def _prompt(cfg, length):
 
 def _capture(model, ids, mode, exact=False):
     ls = LongStrawConfig(group_size=2, capture=mode, **BLOCKS)
-    return capture_prompt(model, ids, ls, keep_for_backward=exact)
+    return capture_prompt(model, ids, ls,
+                          prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -87,7 +89,8 @@ def _device_peak(model, ids, mode, exact=False, page_tokens=128):
     """(device peak, host peak, the capture) of one capture, the prompt made by the caller."""
     ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=page_tokens, **BLOCKS)
     with LiveBytesMeter("cpu", exclude_host=True) as meter:
-        captured = capture_prompt(model, ids, ls, keep_for_backward=exact)
+        captured = capture_prompt(model, ids, ls,
+                                  prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
     return meter.peak_bytes, meter.host_peak_bytes, captured
 
 

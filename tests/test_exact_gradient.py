@@ -124,8 +124,22 @@ def test_exact_mode_under_cp_and_ep_equals_full_sequence_autograd(tmp_path, worl
 
 
 def test_an_unknown_prompt_gradient_mode_is_refused():
-    with pytest.raises(ValueError, match="prompt_grad must be one of"):
+    with pytest.raises(ValueError, match=r"prompt_grad must be one of \['detached', 'exact'\]"):
         LongStrawConfig(prompt_grad="full")
+
+
+def test_the_prompt_gradient_mode_is_read_as_the_enum_and_written_as_its_string():
+    """YAML and flags give a string, the config holds `PromptGrad`, receipts write the string."""
+    import json
+
+    from megatron_longstraw.state.attention_pass import PromptGrad
+
+    assert LongStrawConfig().prompt_grad is PromptGrad.DETACHED
+    cfg = LongStrawConfig(prompt_grad="exact")
+    assert cfg.prompt_grad is PromptGrad.EXACT
+    assert LongStrawConfig(prompt_grad=PromptGrad.EXACT).prompt_grad is PromptGrad.EXACT
+    assert json.dumps({"prompt_grad": cfg.prompt_grad}) == '{"prompt_grad": "exact"}'
+    assert f"{cfg.prompt_grad}" == str(cfg.prompt_grad) == "exact"
 
 
 def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from helpers import build_tiny_glm, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.grpo.loss import grpo_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
@@ -219,7 +220,7 @@ def test_group_of_one_rejected():
 
 
 def test_prompt_state_gradients_on_request():
-    """Exact prompt gradient: with `prompt_state_grad`, replay adds d loss / d latent pages
+    """Exact prompt gradient: with `PromptGrad.EXACT`, replay adds d loss / d latent pages
     to the store's buffers (one gradient per captured row, non-zero only on rows some query selected)."""
     cfg, model = build_tiny_glm(torch.float64)
     group = _group(cfg.vocab_size, lens=(7,))
@@ -228,7 +229,7 @@ def test_prompt_state_gradients_on_request():
     response = group.response_ids[0]
     from megatron_longstraw.training import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
-    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_state_grad=True)
+    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_grad=PromptGrad.EXACT)
     captured.pages.keep_grads()
     logp = replay_mod._run_branch(model, captured, branch, state, checkpoint_layers=True)
     logp.sum().backward()

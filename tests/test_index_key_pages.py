@@ -16,6 +16,7 @@ from megatron_longstraw.kernels import fp8
 from megatron_longstraw import planner
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.rollout.decode import generate
 from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.models.glm52.attention import INDEX_KEY
@@ -185,9 +186,9 @@ def test_fp8_pages_read_the_same_in_every_path():
     # test_capture_streamed.py's blocks (streamed capture equals whole capture bitwise with them)
     blocks = dict(key_block=32, query_block=16, token_block=64, index_key_pages="fp8",
                   max_response_len=64)
-    streamed = _fp8_capture(model, prompt, LongStrawConfig(**blocks), keep_for_backward=True)
+    streamed = _fp8_capture(model, prompt, LongStrawConfig(**blocks), prompt_grad=PromptGrad.EXACT)
     whole = _fp8_capture(model, prompt, LongStrawConfig(capture="whole", **blocks),
-                         keep_for_backward=True)
+                         prompt_grad=PromptGrad.EXACT)
     for layer in streamed.pages.layers():
         for kind in streamed.pages.kinds(layer):
             assert torch.equal(streamed.pages.fetch(layer, kind), whole.pages.fetch(layer, kind))
@@ -247,7 +248,7 @@ def test_fp8_index_key_fidelity(name, overrides, prompt_len):
     runs = {}
     for pages in ("model", "fp8"):
         ls = LongStrawConfig(page_tokens=1024, index_key_pages=pages)
-        captured = _fp8_capture(model, prompt, ls, keep_for_backward=True)
+        captured = _fp8_capture(model, prompt, ls, prompt_grad=PromptGrad.EXACT)
         with torch.no_grad():
             logp, used = score_member(model, captured, response, ls)
         runs[pages] = (captured, logp.double(), used)

@@ -16,6 +16,7 @@ from helpers import ROOT, build_tiny_glm
 from megatron_longstraw import planner
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.runtime.memory import SavedTensorMeter
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
@@ -405,7 +406,7 @@ def test_prompt_backward_inputs_equal_what_capture_keeps(family, prompt_len):
     cfg, model = (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
     captured = capture_prompt(model, prompt, LongStrawConfig(group_size=2, token_block=64),
-                              keep_for_backward=True)
+                              prompt_grad=PromptGrad.EXACT)
     kept, pages = captured.backward, captured.pages
 
     def nbytes(tensors):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import build_tiny_qwen, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.grpo.loss import grpo_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.models.qwen36.config import Qwen36Config
@@ -210,7 +211,7 @@ def test_gradients_all_params_with_a_one_token_prompt(checkpoint_layers):
 
 
 def test_prompt_state_gradients_on_request():
-    """Exact prompt gradient: with `prompt_state_grad`, replay adds d loss / d state on the
+    """Exact prompt gradient: with `PromptGrad.EXACT`, replay adds d loss / d state on the
     store's buffers for every kind (GDN state and conv tail, K/V pages), and it is the true derivative: a
     central finite difference along a random direction agrees (fp64: relative 1e-6, plus the
     difference quotient's own rounding error, a few ulps of the scored sum over 2 eps; truncation
@@ -224,7 +225,7 @@ def test_prompt_state_gradients_on_request():
     captured = capture_prompt(model, group.prompt_ids, ls)
     response = group.response_ids[0]
     branch = replay_mod.make_branch(captured, response)
-    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_state_grad=True)
+    state = replay_mod._pass(captured, branch, ls, selections=None, prompt_grad=PromptGrad.EXACT)
     captured.pages.keep_grads()
     logp = replay_mod._run_branch(model, captured, branch, state, checkpoint_layers=True)
     logp.sum().backward()

@@ -145,6 +145,7 @@ def run_one(args) -> dict:
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw.runtime import platform, precision
     from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.state.attention_pass import PromptGrad
     from megatron_longstraw.data.groups import synthetic_group
     from megatron_longstraw.models.registry import get_family
     from megatron_longstraw.runtime.memory import (
@@ -176,7 +177,7 @@ def run_one(args) -> dict:
                           for i, r in enumerate(group.response_ids)]
     recompute = "whole-decoder-layer checkpointing in replay (replay.py)"
     if args.method == "longstraw-exact":
-        ls.prompt_grad = "exact"
+        ls.prompt_grad = PromptGrad.EXACT
     elif args.method == "conventional":
         model.config.recompute_granularity = "full"
         model.config.recompute_method = "uniform"

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_longstraw import planner  # noqa: E402
+from megatron_longstraw.config.settings import PromptGrad  # noqa: E402
 from megatron_longstraw.models.registry import FAMILIES  # noqa: E402
 
 # The full-size plan's layout per family (Family.planner), for --help.
@@ -81,7 +82,8 @@ def parse_args(argv=None):
                    help="distributed optimizer: master weights and moments sharded over DP x CP")
     p.add_argument("--kl", action="store_true", help="a reference capture for the KL term")
     p.add_argument("--moe-imbalance", type=float, default=1.0)
-    p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
+    p.add_argument("--prompt-grad", choices=[g.value for g in PromptGrad],
+                   default=PromptGrad.DETACHED.value,
                    help="exact: add what the exact prompt gradient keeps (host: layer inputs; "
                         "device: page leaves and cotangents)")
     p.add_argument("--gdn-kernels", choices=("fla", "torch"), default="fla",

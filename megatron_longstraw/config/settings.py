@@ -11,6 +11,7 @@ import yaml
 
 from megatron_longstraw.config.loss import GRPOLossConfig, check_tis
 from megatron_longstraw.config.sampling import CONTROLS, SamplingParams
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.state.pages import PAGE_FORMATS
 
 
@@ -47,11 +48,11 @@ class LongStrawConfig:
     "auto,indexer=ref" or "sparse_mla=flashmla,sparse_mla_grad=triton" (kernels/select.py)."""
     checkpoint_layers: bool = True
     """Whole-decoder-layer activation checkpointing during replay."""
-    prompt_grad: str = "detached"
-    """The prompt state's gradient: "detached" (d loss / d theta at fixed prompt state, the
-    paper's) or "exact" (replay accumulates d loss / d state into the pages' cotangents, then a
-    prompt backward runs the prompt's layers in reverse: the update of standard GRPO;
-    prompt_backward.py)."""
+    prompt_grad: PromptGrad = PromptGrad.DETACHED
+    """The prompt state's gradient (`PromptGrad`; given as "detached" or "exact", converted in
+    `__post_init__`): DETACHED (d loss / d theta at fixed prompt state, the paper's) or EXACT
+    (replay accumulates d loss / d state into the pages' cotangents, then a prompt backward runs
+    the prompt's layers in reverse: the update of standard GRPO; prompt_backward.py)."""
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE); the token block
     of streamed capture."""
@@ -126,9 +127,10 @@ class LongStrawConfig:
         if self.capture not in ("streamed", "whole"):
             raise ValueError(f"longstraw capture must be 'streamed' or 'whole', got "
                              f"{self.capture!r}.")
-        if self.prompt_grad not in PROMPT_GRAD_MODES:
-            raise ValueError(f"longstraw prompt_grad must be one of {list(PROMPT_GRAD_MODES)}, "
-                             f"got {self.prompt_grad!r}.")
+        if self.prompt_grad not in list(PromptGrad):
+            raise ValueError(f"longstraw prompt_grad must be one of "
+                             f"{[g.value for g in PromptGrad]}, got {self.prompt_grad!r}.")
+        self.prompt_grad = PromptGrad(self.prompt_grad)
         self.loss_config()  # validates the clip, KL and advantage settings
         check_tis(self.tis, self.tis_cap)
         self._check_rollout()
@@ -152,7 +154,8 @@ class LongStrawConfig:
         if self.control not in CONTROLS:
             raise ValueError(f"longstraw control (--longstraw-control) must be one of "
                              f"{list(CONTROLS)}, got {self.control!r}.")
-        if self.control != "none" and (self.rollout != "online" or self.prompt_grad != "detached"):
+        if self.control != "none" and (self.rollout != "online"
+                                       or self.prompt_grad is not PromptGrad.DETACHED):
             raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
                              "prompt state in the online loop: it needs --longstraw-rollout online "
                              "and the detached prompt gradient.")
@@ -187,8 +190,6 @@ class LongStrawConfig:
         section = data.get("longstraw", {}) or {}
         return cls.from_dict({k: v for k, v in section.items() if k not in ADAPTER_KEYS})
 
-
-PROMPT_GRAD_MODES = ("detached", "exact")
 
 ADAPTER_KEYS = ("lora", "qlora", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
                 "lora_exclude", "fp8_base")

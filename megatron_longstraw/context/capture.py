@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, mixer_of, run_group,
                                                run_layer, selection_kinds)
@@ -58,7 +59,7 @@ class CapturedPrompt:
     seconds: float
     """Wall time of the capture."""
     backward: PromptBackwardInputs | None = None
-    """With `keep_for_backward` (the exact prompt gradient): what the prompt backward needs."""
+    """With `prompt_grad=PromptGrad.EXACT`: what the prompt backward needs."""
 
 
 @dataclass
@@ -89,10 +90,10 @@ class PromptBackwardInputs:
 def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                    pages: PageStore | None = None,
                    progress: Callable[[int, int], None] | None = None,
-                   keep_for_backward: bool = False) -> CapturedPrompt:
+                   prompt_grad: PromptGrad = PromptGrad.DETACHED) -> CapturedPrompt:
     """Capture `prompt_ids` [P] (P >= 1, the whole prompt on every rank) into `pages` (a new store by
     default). Under context parallelism each rank captures its load-balanced shard. `progress(done,
-    total)` is called after each decoder layer (a progress bar on rank 0). `keep_for_backward`:
+    total)` is called after each decoder layer (a progress bar on rank 0). `PromptGrad.EXACT`:
     also keep each layer's input and every top-k (`PromptBackwardInputs`: L x [P, hidden] more
     host memory) for the exact prompt gradient."""
     start = time.perf_counter()
@@ -106,9 +107,10 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
     if pages is None:  # host pages streamed per layer, or (no offload) pages kept on the device
         pages = PageStore(page_tokens=cfg.page_tokens, formats=cfg.page_formats(),
                           storage_device="cpu" if cfg.offload_pages else prompt_ids.device)
+    exact = prompt_grad is PromptGrad.EXACT
     backward = None
     if num_captured > 0:
-        if keep_for_backward:
+        if exact:
             backward = PromptBackwardInputs([], {}, note_host(prefix[positions].to(
                 pages.storage_device, copy=True)))
         streamed = cfg.capture == "streamed"
@@ -116,7 +118,7 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                               positions=positions, cp=CPPass.for_capture(layout, num_captured),
                               query_block=cfg.query_block, key_block=cfg.key_block,
                               token_block=cfg.token_block,
-                              boundaries={} if keep_for_backward and layout.size == 1 else None)
+                              boundaries={} if exact and layout.size == 1 else None)
         run = _run_streamed if streamed else _run_whole
         with torch.no_grad():
             run(model, prefix, state, cfg, backward, progress)

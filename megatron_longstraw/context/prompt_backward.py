@@ -1,4 +1,5 @@
-"""The exact prompt gradient (`LongStrawConfig.prompt_grad = "exact"`, docs/design.md section 2).
+"""The exact prompt gradient (`LongStrawConfig.prompt_grad` `PromptGrad.EXACT`, docs/design.md
+section 2).
 
 Detached replay computes d loss / d theta at fixed prompt state z_P. The exact gradient adds
 (d loss / d z_P)(d z_P / d theta), and this module computes it:
@@ -7,7 +8,7 @@ Detached replay computes d loss / d theta at fixed prompt state z_P. The exact g
    buffer for the running cotangent and, on one process, the carried state (GDN) at each token
    block's start (`capture.PromptBackwardInputs`, host memory), and gives every page a cotangent
    buffer of its shape (`PageStore.keep_grads`).
-2. Replay reads the pages as differentiable inputs (`AttentionPass.prompt_state_grad`): after all
+2. Replay reads the pages as differentiable inputs (`AttentionPass.prompt_grad`): after all
    G members, each page's buffer holds d loss / d state summed over the members (MLA latent rows,
    K/V rows, GDN state and conv tail). Only selected rows (sparse attention) or one key window at
    a time (dense attention, `refs.streamed_attention`) ever have a gradient on the way. Index
@@ -47,6 +48,7 @@ import torch
 
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.models.common import (
     decoder_groups,
     embed,
@@ -149,7 +151,7 @@ def _block_pass(captured: CapturedPrompt, cfg: LongStrawConfig, mode: str, start
                   prefix_positions=captured.positions.to(device)),
         selections={layer: sel[start:end].to(device, torch.long)
                     for layer, sel in kept.selections.items()},
-        reuse_selections=True, prompt_state_grad=True, query_block=cfg.query_block,
+        reuse_selections=True, prompt_grad=PromptGrad.EXACT, query_block=cfg.query_block,
         key_block=cfg.key_block, token_block=cfg.token_block, emitted={}, carried=carried)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_longstraw.state.attention_pass import PromptGrad
+
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
@@ -70,8 +72,9 @@ class PlanSpec:
     ranks_per_node: int = 8
     host_reserve_per_rank: int = 4 * GiB
     """Python, torch, CUDA host state per process (assumed)."""
-    prompt_grad: str = "detached"
-    """"exact": the exact prompt gradient (prompt_backward.py): `prompt_backward_items`."""
+    prompt_grad: PromptGrad = PromptGrad.DETACHED
+    """`PromptGrad.EXACT` (or "exact"): the exact prompt gradient (prompt_backward.py):
+    `prompt_backward_items`."""
     moe_imbalance: float = 1.0
     """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
     gdn_kernels: str = "fla"
@@ -88,6 +91,10 @@ class PlanSpec:
             raise ValueError(f"gdn_kernels must be 'fla' or 'torch', got {self.gdn_kernels!r}.")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {sorted(TRAINABLE)}, got {self.trainable!r}.")
+        if self.prompt_grad not in list(PromptGrad):
+            raise ValueError(f"prompt_grad must be one of {[g.value for g in PromptGrad]}, got "
+                             f"{self.prompt_grad!r}.")
+        self.prompt_grad = PromptGrad(self.prompt_grad)
 
 
 TRAINABLE = {"all", "non_expert", "attention", "head", "lora", "none"}

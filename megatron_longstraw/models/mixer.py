@@ -44,7 +44,7 @@ import torch
 
 from megatron_longstraw.models import partials
 from megatron_longstraw.state.pages import LayerRows
-from megatron_longstraw.state.attention_pass import AttentionPass
+from megatron_longstraw.state.attention_pass import AttentionPass, PromptGrad
 
 
 class StateAwareMixer:
@@ -106,14 +106,14 @@ class StateAwareMixer:
 
     def read_page(self, state: AttentionPass, kind: str, device, dtype: torch.dtype | None = None,
                   differentiable: bool = True) -> torch.Tensor:
-        """This layer's captured `kind` on `device` (as `dtype`). With the pass's
-        `prompt_state_grad` and `differentiable`, its cotangent is added to the page's buffer
+        """This layer's captured `kind` on `device` (as `dtype`). With the pass's `prompt_grad`
+        `PromptGrad.EXACT` and `differentiable`, its cotangent is added to the page's buffer
         (`PageStore.differentiable`: the whole tensor, for fixed-size state; key rows go through
         `page_rows` / `page_keys`, which never form a gradient of the page's size); otherwise a
         constant."""
         page = state.pages.fetch(self.layer_idx, kind, device)
         page = page if dtype is None else page.to(dtype)
-        if differentiable and self._keeps_grad(state, kind):
+        if differentiable and self._exact_grad_to_page(state, kind):
             return state.pages.differentiable(page, self.layer_idx, kind)
         return page
 
@@ -121,13 +121,13 @@ class StateAwareMixer:
         """This layer's captured rows of `kind` as a sparse attention part (`partials.PageRows`:
         with the exact prompt gradient, the selected rows' cotangents go to the page's buffer)."""
         rows = self.read_page(state, kind, device, dtype, differentiable=False)
-        store = state.pages if self._keeps_grad(state, kind) else None
+        store = state.pages if self._exact_grad_to_page(state, kind) else None
         return partials.PageRows(rows, store, self.layer_idx, kind)
 
     def key_grads(self, state: AttentionPass, kind: str) -> Callable | None:
         """`(start, end, grad)` -> added to rows [start, end) of the page buffer of `kind` (the
         sink of a `partials.PageKeys` part), or None when this pass keeps no prompt gradient."""
-        if not self._keeps_grad(state, kind):
+        if not self._exact_grad_to_page(state, kind):
             return None
         return lambda start, end, grad: state.pages.add_grad(self.layer_idx, kind, grad,
                                                              slice(start, end))
@@ -141,8 +141,11 @@ class StateAwareMixer:
                                  device=cached.device)
         return cached, positions
 
-    def _keeps_grad(self, state: AttentionPass, kind: str) -> bool:
-        return state.prompt_state_grad and state.pages.has_grad(self.layer_idx, kind)
+    def _exact_grad_to_page(self, state: AttentionPass, kind: str) -> bool:
+        """The pass is `PromptGrad.EXACT` and the pages keep a cotangent buffer for this layer's
+        `kind` (capture's `PageStore.keep_grads`: not for index keys)."""
+        return (state.prompt_grad is PromptGrad.EXACT
+                and state.pages.has_grad(self.layer_idx, kind))
 
     def capture_keys(self, state: AttentionPass):
         """Streamed capture: where this layer's key rows are read by global position, a window

@@ -43,6 +43,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.models import registry as _registry
 # The public names of the family modules and the vocabulary, importable from `planner`.
 from megatron_longstraw.models.footprint import (
@@ -234,7 +235,7 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
     static_total = sum(i.bytes for i in static)
     rows = local_prompt_rows(prompt_len, spec.cp)
     logical, allocated = page_bytes(fp.pages, rows, spec.page_tokens)
-    if spec.prompt_grad == "exact":
+    if spec.prompt_grad is PromptGrad.EXACT:
         fp = _with_prompt_backward(spec, fp, prompt_len, rows, logical)
     totals = {p: static_total + phase_bytes(items) for p, items in fp.phases.items()}
     peak_phase = max(totals, key=totals.get)

@@ -55,7 +55,7 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     """Capture `record`'s prompt (data.GroupRecord of a prompt line), generate `cfg.group_size`
     responses from it with `seed`, reward them (module docstring)."""
     prompt = record.group.prompt_ids
-    captured = capture_prompt(model, prompt, cfg, keep_for_backward=cfg.prompt_grad == "exact")
+    captured = capture_prompt(model, prompt, cfg, prompt_grad=cfg.prompt_grad)
     if control == "zeros":
         captured.pages.zero_()
     start = time.perf_counter()

@@ -42,7 +42,8 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              mixer that carries state (GDN) starts from `carried` and hands the state at the
              block's end to `emitted`. Under CP (`forward_prompt_backward_sharded`), this rank's
              whole shard: each mixer attends as in capture, with capture's selections, and hands
-             the differentiable state it would write to `emitted`.
+             the differentiable state it would write to `emitted`. Run for `PromptGrad.EXACT`
+             only: it is the prompt's backward of that gradient.
 - `prompt_rows`: the prompt block's key rows (what capture wrote for it) as functions of its
              input, handed to `emitted`; nothing is attended (the second half of a block of the
              blockwise prompt backward).
@@ -53,6 +54,7 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
@@ -65,6 +67,20 @@ Mode = Literal["full", "capture", "capture_block", "capture_rows", "score", "rep
                "prompt_backward", "prompt_rows", "decode"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
+
+
+class PromptGrad(enum.StrEnum):
+    """The prompt state's gradient (`LongStrawConfig.prompt_grad`, docs/design.md section 7). A
+    `StrEnum`: YAML, flags, JSON and f-strings keep the strings "detached" / "exact". Defined
+    here, beside the pass that reads it, because state/ sits below config/ (config.settings
+    imports it from here)."""
+
+    DETACHED = "detached"
+    """d loss / d theta at fixed prompt state (the paper's): prompt pages are constants."""
+    EXACT = "exact"
+    """Standard GRPO's gradient: replay sends d loss / d state to the pages' cotangent buffers,
+    then the prompt's backward (pass mode `prompt_backward`, prompt_backward.py) runs the
+    prompt's layers in reverse."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +145,9 @@ class AttentionPass:
     full indexer layer only (what IndexShare reads), filled block by block."""
     reuse_selections: bool = False
     """Use `selections` as given for full indexer layers (indexer replay) instead of recomputing."""
-    prompt_state_grad: bool = False
-    """Prompt pages read in this pass send their cotangents to the pages' buffers
-    (`PageStore.keep_grads`): the exact prompt-gradient mode (docs/design.md section 7)."""
+    prompt_grad: PromptGrad = PromptGrad.DETACHED
+    """`EXACT`: prompt pages read in this pass send their cotangents to the pages' buffers
+    (`PageStore.keep_grads`); `DETACHED`: they are constants."""
     emitted: Optional[dict[tuple[int, str], torch.Tensor]] = None
     """`prompt_backward` / `prompt_rows`: each mixer's differentiable state by (layer, kind) (key
     rows, or the carried state at the block's end), to be given their cotangents."""

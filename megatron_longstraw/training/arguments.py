@@ -18,6 +18,7 @@ import yaml
 
 from megatron_longstraw.adapters.lora import LoRAConfig
 from megatron_longstraw.config.settings import ADAPTER_KEYS, LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.runtime.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.models.registry import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
@@ -103,7 +104,8 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "128: changes only which keys the top-k selects).")
     group.add_argument("--longstraw-checkpoint-layers", action=argparse.BooleanOptionalAction,
                        default=None, help="Whole-decoder-layer activation checkpointing in replay.")
-    group.add_argument("--longstraw-prompt-grad", choices=("detached", "exact"), default=None,
+    group.add_argument("--longstraw-prompt-grad", choices=[g.value for g in PromptGrad],
+                       default=None,
                        help="detached: the gradient at fixed prompt state (default); exact: "
                             "also back-propagate through the prompt (standard GRPO's update; "
                             "keeps every layer's prompt input in host memory).")

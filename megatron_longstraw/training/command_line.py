@@ -16,6 +16,7 @@ import torch
 
 from megatron_longstraw.models.registry import check_parallel_sizes, get_family
 from megatron_longstraw.runtime.errors import FlagError
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.training import arguments
 from megatron_longstraw.training.arguments import (
     LoRASettings,
@@ -82,7 +83,7 @@ def resolve_lora(args, family: str, ls):
                 "run would need a frozen copy of the initial model, which the launcher does not "
                 "build. Set --longstraw-kl-coef 0 or train adapters.")
         return None, ls
-    if ls.prompt_grad == "exact" and lora.config.dropout > 0:
+    if ls.prompt_grad is PromptGrad.EXACT and lora.config.dropout > 0:
         raise ValueError(f"--longstraw-lora-dropout {lora.config.dropout:g} with "
                          "--longstraw-prompt-grad exact: the prompt backward recomputes the "
                          "prompt's forward, which capture ran without dropout; a dropout sample "

@@ -25,6 +25,7 @@ from megatron_longstraw.distributed import collectives
 from megatron_longstraw.training import routing_replay
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
@@ -59,14 +60,14 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor) -> Branch:
 
 def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
           selections: dict | None, mode: str = "replay",
-          prompt_state_grad: bool = False) -> AttentionPass:
+          prompt_grad: PromptGrad = PromptGrad.DETACHED) -> AttentionPass:
     cp = CPPass.for_branch(captured.layout, captured.positions, captured.prefix_len,
                            branch.padded_length)
     return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
                          reuse_selections=selections is not None, query_block=cfg.query_block,
                          key_block=cfg.key_block, token_block=cfg.token_block, cp=cp,
-                         prompt_state_grad=prompt_state_grad)
+                         prompt_grad=prompt_grad)
 
 
 def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
@@ -131,7 +132,7 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     branch = make_branch(captured, response_ids)
     # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
     state = _pass(captured, branch, cfg, selections=selections, mode="replay",
-                  prompt_state_grad=cfg.prompt_grad == "exact")
+                  prompt_grad=cfg.prompt_grad)
     # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
     with routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length):
         logp = _run_branch(model, captured, branch, state, cfg.checkpoint_layers)

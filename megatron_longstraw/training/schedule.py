@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.data.routing import FIELDS as ROUTING_FIELDS
 from megatron_longstraw.grpo.loss import group_advantages, member_loss, validate_group
@@ -109,8 +110,8 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
                                progress=None, captured=None) -> StepResult:
     """Capture, score and replay one GRPO group; gradients accumulate into `model`'s parameters.
     `captured`: the group's prompt already captured under the current weights (the online loop
-    generated from it: rollout.py), used instead of a new capture (exact mode: captured with
-    `keep_for_backward`).
+    generated from it: rollout.py), used instead of a new capture (exact prompt gradient: captured
+    with `prompt_grad=PromptGrad.EXACT`).
 
     `ref_model` is the frozen reference policy for the KL term (it gets its own capture, since its
     prompt state differs); required when cfg.kl_coef > 0. `loss_scale` is 1/N when the optimizer
@@ -145,10 +146,10 @@ def _check_captured(captured, group: GRPOGroup, cfg: LongStrawConfig, forward_on
                          f"ending in {captured.last_token}, not this group's ("
                          f"{group.prompt_ids.numel()} tokens ending in "
                          f"{int(group.prompt_ids[-1])}): capture the group's own prompt.")
-    if (cfg.prompt_grad == "exact" and not forward_only and captured.prefix_len
+    if (cfg.prompt_grad is PromptGrad.EXACT and not forward_only and captured.prefix_len
             and captured.backward is None):
         raise ValueError("The exact prompt gradient needs a capture made with "
-                         "keep_for_backward=True.")
+                         "prompt_grad=PromptGrad.EXACT.")
 
 
 def _fingerprint(group: GRPOGroup) -> dict:
@@ -176,11 +177,11 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
           captured=None) -> StepResult:
     timings: dict[str, float] = {}
 
-    exact = cfg.prompt_grad == "exact" and not forward_only
+    prompt_grad = PromptGrad.DETACHED if forward_only else cfg.prompt_grad  # nothing to backprop
     with memory.phase("capture"):
         if captured is None:
             captured = capture_prompt(model, group.prompt_ids, cfg, progress=progress,
-                                      keep_for_backward=exact)
+                                      prompt_grad=prompt_grad)
         ref_captured = capture_prompt(ref_model, group.prompt_ids, cfg) if cfg.kl_coef > 0 else None
     timings["capture"] = captured.seconds + (ref_captured.seconds if ref_captured else 0.0)
 
@@ -231,7 +232,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
             logps.append(logp)
             member_stats.append(stats)
     timings["replay"] = time.perf_counter() - start
-    if exact:
+    if prompt_grad is PromptGrad.EXACT:
         start = time.perf_counter()
         with memory.phase("prompt_backward"):
             prompt_backward(model, captured, cfg)
