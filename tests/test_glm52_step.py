@@ -162,6 +162,32 @@ def test_detached_prompt_state_is_an_approximation():
     assert (exact - detached).abs().max() > 1e-6 * exact.abs().max()
 
 
+def test_the_member_loss_is_computed_once_per_member_in_replay(monkeypatch):
+    """A training step calls member_loss once per member, in replay under autograd, and reports
+    those calls' loss (equal to grpo_loss of the returned log-probs); forward_only calls it once
+    per member on scoring's log-probs."""
+    from megatron_longstraw.grpo.loss import member_loss
+    from megatron_longstraw.training import schedule
+
+    cfg, model = build_tiny_glm(torch.float64)
+    group = _group(cfg.vocab_size, prompt_len=64)
+    ls = _small_blocks()
+    calls = []
+
+    def counted(logp, *args, **kw):
+        calls.append(logp.requires_grad)
+        return member_loss(logp, *args, **kw)
+
+    monkeypatch.setattr(schedule, "member_loss", counted)
+    result = forward_backward_longstraw(model, group, ls)
+    assert calls == [True] * len(RESPONSE_LENS)
+    expected = float(grpo_loss(result.logps, result.logps_old, group.rewards, ls.loss_config()))
+    assert abs(result.loss - expected) <= 1e-12   # fp64 terms of size ~1: summation order only
+    calls.clear()
+    forward_backward_longstraw(model, group, ls, forward_only=True)
+    assert calls == [False] * len(RESPONSE_LENS)
+
+
 def test_page_bytes_per_token_match_design_count():
     cfg, model = build_tiny_glm(torch.float32)
     group = _group(cfg.vocab_size, prompt_len=257)

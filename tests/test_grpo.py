@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from megatron_longstraw.grpo.loss import group_advantages, grpo_loss, member_loss, validate_group
+from megatron_longstraw.grpo.loss import (combine_shares, group_advantages, grpo_loss, member_loss,
+                                          validate_group)
 from megatron_longstraw.config.loss import GRPOLossConfig
 
 TOL = 1e-12
@@ -193,6 +194,29 @@ def test_grpo_loss_is_sum_of_member_losses_and_matches_formula() -> None:
         k3 = torch.exp(d) - d - 1
         expect += float((-surr.sum() + 0.05 * k3.sum()) / (3 * lens[i]))
     _close(total, expect)
+
+
+def test_combined_shares_are_the_whole_members_loss_and_stats() -> None:
+    """Context parallelism: member_loss over each rank's rows (num_tokens = R), combined, is
+    member_loss over the whole member up to summation order (fp64: TOL); a share holding only
+    padding (no rows) changes nothing."""
+    gen = torch.Generator().manual_seed(2)
+    num_tokens = 11
+    new = -torch.rand(num_tokens, generator=gen, dtype=F64) * 3
+    old = new + 0.6 * (torch.rand(num_tokens, generator=gen, dtype=F64) - 0.5)  # both clip sides
+    ref = new - 0.2 * torch.rand(num_tokens, generator=gen, dtype=F64)
+    weight = 2 * torch.rand(num_tokens, generator=gen, dtype=F64)
+    kw = dict(advantage=0.7, num_members=4, num_tokens=num_tokens, loss_scale=0.5,
+              cfg=GRPOLossConfig(clip_eps_low=0.1, clip_eps_high=0.15, kl_coef=0.05))
+    whole_loss, whole = member_loss(new, old, logp_ref=ref, token_weight=weight, **kw)
+    shares = [(*member_loss(new[a:b], old[a:b], logp_ref=ref[a:b], token_weight=weight[a:b], **kw),
+               b - a) for a, b in ((0, 6), (6, 11), (11, 11))]
+    loss, stats = combine_shares(shares)
+    _close(loss, float(whole_loss))
+    assert stats.keys() == whole.keys()
+    for key in whole:
+        _close(stats[key], float(whole[key]))
+    assert 0 < float(whole["clip_frac"]) < 1 and float(whole["kl"]) > 0
 
 
 def test_grpo_loss_size_mismatch() -> None:

@@ -272,7 +272,7 @@ def _qwen_replay_peak(model, captured, response, ls):
     def loss_fn(logp, tokens):
         return member_loss(logp, old[tokens].to(logp.dtype), advantage=1.0, num_members=2,
                            cfg=GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28),
-                           num_tokens=num_tokens)[0]
+                           num_tokens=num_tokens)
 
     gc.collect()
     with SavedTensorMeter(model) as meter:

@@ -268,7 +268,7 @@ def test_all_param_gradients_at_fixed_prompt_state_match_finite_differences():
     response = group.response_ids[0]
     for p in model.parameters():
         p.grad = None
-    replay_member(model, captured, response, None, ls, lambda logp, tokens: logp.sum())
+    replay_member(model, captured, response, None, ls, lambda logp, tokens: (logp.sum(), {}))
     params = dict(model.named_parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params.values()), \
         [n for n, p in params.items() if p.grad is None or p.grad.abs().sum() == 0]

@@ -33,7 +33,7 @@ import torch
 
 from megatron_longstraw.config.loss import GRPOLossConfig
 
-__all__ = ["group_advantages", "member_loss", "grpo_loss", "validate_group"]
+__all__ = ["group_advantages", "member_loss", "combine_shares", "grpo_loss", "validate_group"]
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:
@@ -162,6 +162,37 @@ def member_loss(
             "ratio_min": r.min(),
         }
     return loss, stats
+
+
+def combine_shares(
+    shares: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], int]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One member's ``(loss, stats)`` from :func:`member_loss` over disjoint shares of its tokens.
+
+    Args:
+        shares: per share (context parallelism: per rank's rows) ``(loss, stats, num_rows)`` of
+            :func:`member_loss` called with the whole member's ``num_tokens`` = R_i; a share may
+            hold no rows (its ratio figures are a placeholder 1).
+
+    Returns:
+        ``(loss, stats)`` of the member, as :func:`member_loss` over all its tokens gives them up
+        to summation order. No divisor is applied again: the loss, ``policy_loss``, ``kl`` and
+        ``clip_frac`` of each share already divide by R_i (and G, and the loss scale) and add
+        up; ``ratio_mean`` is the shares' means weighted by their rows, over R_i (the rows of all
+        shares); ``ratio_max`` / ``ratio_min`` are over the shares that hold rows.
+    """
+    losses, stats, rows = zip(*shares)
+    if sum(rows) <= 0:
+        raise ValueError(f"the shares hold no tokens (rows {list(rows)}).")
+    held = [s for s, n in zip(stats, rows) if n > 0]
+    merged = {key: torch.stack([s[key] for s in stats]).sum()
+              for key in ("policy_loss", "kl", "clip_frac")}
+    # 1/R_i: the token mean of the ratio over the whole member
+    merged["ratio_mean"] = torch.stack([s["ratio_mean"] * n for s, n in zip(stats, rows)]).sum() \
+        / sum(rows)
+    merged["ratio_max"] = torch.stack([s["ratio_max"] for s in held]).max()
+    merged["ratio_min"] = torch.stack([s["ratio_min"] for s in held]).min()
+    return torch.stack(list(losses)).sum(), merged
 
 
 def grpo_loss(

@@ -3,31 +3,31 @@
 A member's branch is `[x_P, y_1 .. y_{R-1}]` at positions `P-1 .. P+R-2` over the captured prefix;
 its outputs score `y_1 .. y_R`. Scoring runs the branch without autograd and records each full DSA
 indexer layer's top-k ("indexer replay"); replay runs it again under autograd with those selections,
-every decoder layer wrapped in activation checkpointing, and backpropagates the member's loss before
-the next member starts. Live autograd memory is one branch, whatever P and G. When the group
-carries the engine's DSA selections or MoE routing (routing replay, routing_replay.py), scoring
-uses them and replay reuses them.
+every decoder layer wrapped in activation checkpointing, computes the member's loss and its
+statistics (once) and backpropagates the loss before the next member starts. Live autograd memory
+is one branch, whatever P and G. When the group carries the engine's DSA selections or MoE routing
+(routing replay, routing_replay.py), scoring uses them and replay reuses them.
 
 Under context parallelism each rank owns a contiguous share of the branch rows (padded to equal
 shares) for token-wise work and the loss; attention exchanges queries and partial outputs
-(`models/context_parallel.py`).
+(`models/context_parallel.py`); the shares' losses and statistics are combined after backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.distributed import collectives
-from megatron_longstraw.training import routing_replay
-from megatron_longstraw.context.capture import CapturedPrompt
+from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, PromptGrad
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
+from megatron_longstraw.context.capture import CapturedPrompt
+from megatron_longstraw.grpo.loss import combine_shares
+from megatron_longstraw.training import routing_replay
 
 
 @dataclass
@@ -114,18 +114,31 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     return gather_member(logp, branch, captured), selections
 
 
+class ReplayedMember(NamedTuple):
+    """What `replay_member` returns: the whole member on every rank, nothing holding a graph."""
+
+    logp: torch.Tensor
+    """[R] the member's log-probs under the current parameters."""
+    loss: torch.Tensor
+    """0-d, detached: the member's loss (grpo.loss.member_loss: its 1/(G R_i) share included),
+    the sum of the CP ranks' shares."""
+    stats: dict[str, torch.Tensor]
+    """member_loss's statistics of the whole member (ratio, clip fraction, KL)."""
+
+
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                   selections: dict[int, torch.Tensor] | None, cfg: LongStrawConfig,
-                  loss_fn: Callable[[torch.Tensor, slice], torch.Tensor],
-                  routed_experts: torch.Tensor | None = None):
-    """Rebuild one member's graph, backpropagate, free the graph.
+                  loss_fn: Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict]],
+                  routed_experts: torch.Tensor | None = None) -> ReplayedMember:
+    """Rebuild one member's graph, compute its loss once, backpropagate, free the graph.
 
-    `loss_fn(logp, tokens)` returns this rank's share of the member's loss from the log-probs of
-    its tokens `tokens` (a slice of the member's R tokens; padding excluded; may be empty). Every
-    rank calls backward (the exchanges in attention are collectives), even with an empty share.
-    Gradients
+    `loss_fn(logp, tokens)` -> (loss, stats): grpo.loss.member_loss (as the schedule binds it)
+    of this rank's share of the member, from the log-probs of its tokens `tokens` (a slice of
+    the member's R tokens; padding excluded; may be empty). It is called once, under autograd;
+    the loss is backpropagated, then (context parallelism) the ranks' shares are combined into
+    the member's loss and statistics, the same on every rank (`_whole_member`). Every rank calls
+    backward (the exchanges in attention are collectives), even with an empty share. Gradients
     accumulate into `.grad` (plain sums across members: the loss carries the 1/(G R_i) share).
-    Returns the member's log-probs [R] (detached, whole member on every rank).
     `routed_experts` [R, L, k]: the engine's routing, kept through backward (the checkpoint
     recompute routes the same way; routing_replay.py).
     """
@@ -137,6 +150,25 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     with routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length):
         logp = _run_branch(model, captured, branch, state, cfg.checkpoint_layers)
         num_valid = int(branch.valid.sum())
-        loss = loss_fn(logp[:num_valid], slice(branch.rows.start, branch.rows.start + num_valid))
+        loss, stats = loss_fn(logp[:num_valid],
+                              slice(branch.rows.start, branch.rows.start + num_valid))
         loss.backward()
-    return gather_member(logp, branch, captured)
+    loss, stats = _whole_member(loss.detach(), stats, num_valid, captured.layout)
+    return ReplayedMember(gather_member(logp, branch, captured), loss, stats)
+
+
+def _whole_member(loss: torch.Tensor, stats: dict[str, torch.Tensor], num_rows: int,
+                  layout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's share of the member's (loss, stats), over `num_rows` of its tokens -> the
+    member's, on every rank: under CP one all-gather of each rank's few numbers, then
+    `grpo.loss.combine_shares` (no divisor applied again)."""
+    if layout.size == 1:
+        return loss, stats
+    keys = sorted(stats)
+    # float64 holds the fp32 / fp64 figures and the row count exactly
+    mine = torch.stack([loss, *(stats[k] for k in keys)]).to(torch.float64)
+    mine = torch.cat([mine, mine.new_tensor([num_rows])])
+    shares = [(row[0].to(loss.dtype), {k: row[1 + j].to(loss.dtype) for j, k in enumerate(keys)},
+               int(row[-1]))
+              for row in collectives.gather_tensor(mine[None], layout)]     # [CP, 2 + stats]
+    return combine_shares(shares)

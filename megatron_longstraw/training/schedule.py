@@ -5,7 +5,8 @@
                                             (or the engine's: routing replay);
                                             with the engine's log-probs: importance weights
                                             and mismatch figures (offpolicy.py)
-    for i in 1..G: replay(i); backward      one member's graph alive at a time
+    for i in 1..G: replay(i); backward      one member's graph alive at a time; its loss and
+                                            statistics computed once, there
     (the above for each group of the step)  micro-batches: gradients accumulate
     finalize grads; optimizer.step()        once (train_step)
 
@@ -210,24 +211,27 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     total, logps, member_stats = 0.0, [], []
     with memory.phase("replay"):
         for i, response in enumerate(group.response_ids):
+            # member_loss divides by G (num_members) and by R_i (num_tokens: the whole member's,
+            # also under CP) and multiplies by loss_scale (1/N groups per step); nothing divides
+            # again (losses and gradients are plain sums over members and groups).
             args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
                         num_tokens=int(response.numel()), loss_scale=loss_scale)
             ref = logps_ref[i] if logps_ref else None
             weight = weights[i] if weights else None
 
-            def share_loss(logp, tokens, i=i, args=args, ref=ref, weight=weight):
+            def loss_of(logp, tokens=slice(None), i=i, args=args, ref=ref, weight=weight):
+                """Member i's (loss, stats) from the log-probs of its tokens `tokens`."""
                 return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
                                    logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
                                    token_weight=None if weight is None else weight[tokens],
-                                   **args)[0]
+                                   **args)
 
-            logp = scored[i][0] if forward_only else replay_member(
-                model, captured, response, scored[i][1], cfg, share_loss,
-                routed_experts=engine[i][1])
-            # Whole-member loss and statistics from the gathered log-probs (reporting only).
-            loss, stats = member_loss(logp, logps_old[i].to(logp.dtype),
-                                      logp_ref=None if ref is None else ref.to(logp.dtype),
-                                      token_weight=weight, **args)
+            if forward_only:     # no backward: the loss of scoring's log-probs
+                logp = scored[i][0]
+                loss, stats = loss_of(logp)
+            else:                # replay calls loss_of once, under autograd, and backpropagates
+                logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg,
+                                                  loss_of, routed_experts=engine[i][1])
             total += float(loss)
             logps.append(logp)
             member_stats.append(stats)
