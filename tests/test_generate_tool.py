@@ -2,7 +2,6 @@
 output with tools/score.py (the same random-init model) finds the written `logprobs_old` equal to
 its own log-probs (decode == scoring), and the output trains offline."""
 
-import json
 import sys
 from pathlib import Path
 
