@@ -107,21 +107,4 @@ def build_hybrid_model(cfg, tcfg, stack_spec, params_dtype: torch.dtype):
     )
     model.to(dtype=params_dtype)
     model.longstraw_config = cfg
-    model.register_forward_pre_hook(_one_plain_pass, with_kwargs=True)
     return model
-
-
-def _one_plain_pass(model, args: tuple, kwargs: dict):
-    """A plain Megatron forward, `model(input_ids, position_ids, attention_mask=None)`, is one
-    sequence from position 0: its layers are handed one pass (the full mode) for the whole
-    forward, so an IndexShare layer finds the top-k its source layer computed. A forward given an
-    `AttentionPass` (capture, replay, tests) keeps it."""
-    input_ids = args[0] if args else kwargs.get("input_ids")
-    given = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-    if given is not None or input_ids is None:
-        return None
-    state = AttentionPass(mode="full", positions=torch.arange(input_ids.shape[-1],
-                                                              device=input_ids.device))
-    if len(args) > 2:
-        return (*args[:2], state, *args[3:]), kwargs
-    return args, {**kwargs, "attention_mask": state}

@@ -69,6 +69,9 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
     def layer_idx(self) -> int:
         return self.core_attention.layer_idx
 
+    def plain_pass(self, hidden_states: torch.Tensor) -> AttentionPass:
+        return self._implicit_full_pass(hidden_states, self.layer_idx)
+
     def forward_full(self, x: torch.Tensor, state: AttentionPass):
         """Over the current tokens' own rows."""
         latents, index_keys = self._token_rows(x, state)
@@ -342,6 +345,27 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return self._up_project_values(merged)
 
     # ---- pieces ---------------------------------------------------------------------------
+
+    _implicit: list[AttentionPass] = []
+
+    @classmethod
+    def _implicit_full_pass(cls, hidden_states: torch.Tensor, layer_idx: int) -> AttentionPass:
+        """A plain Megatron forward (no LongStraw pass given) is one sequence from position 0.
+        Decoder layer 0 always has its own indexer; it opens the pass the later layers share, so
+        IndexShare layers find their source layer's top-k. One such forward at a time: interleaved
+        forwards of several sequences (recompute of another graph) need explicit passes."""
+        if layer_idx == 0 or not cls._implicit:
+            positions = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+            cls._implicit[:] = [AttentionPass(mode="full", positions=positions)]
+        state = cls._implicit[0]
+        if state.positions.numel() != hidden_states.shape[0]:
+            raise RuntimeError(
+                "A plain forward (no LongStraw pass given) shares its IndexShare top-k between "
+                "the layers of one sequence at a time; this layer sees another sequence (e.g. an "
+                "activation recompute interleaved with another forward). Give such forwards "
+                "their pass: `model(input_ids, position_ids, "
+                "attention_mask=AttentionPass(mode='full', positions=...))`.")
+        return state
 
     def _index_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[s, 1, h] -> DSA index keys [s, index_head_dim] (LayerNorm, RoPE on the first dims)."""
