@@ -353,7 +353,11 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         """A plain Megatron forward (no LongStraw pass given) is one sequence from position 0.
         Decoder layer 0 always has its own indexer; it opens the pass the later layers share, so
         IndexShare layers find their source layer's top-k. One such forward at a time: interleaved
-        forwards of several sequences (recompute of another graph) need explicit passes."""
+        forwards of several sequences (recompute of another graph) need explicit passes.
+        Kept on the class, not handed down as the pass: Megatron's own full recompute
+        (`megatron.core.recompute.checkpointed_forward`, the conventional baseline of
+        tools/bench.py) saves `attention_mask` with `save_for_backward`, which takes tensors only,
+        so a plain forward cannot carry an `AttentionPass` there."""
         if layer_idx == 0 or not cls._implicit:
             positions = torch.arange(hidden_states.shape[0], device=hidden_states.device)
             cls._implicit[:] = [AttentionPass(mode="full", positions=positions)]
