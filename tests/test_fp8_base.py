@@ -197,6 +197,21 @@ def test_misfits_are_refused_with_the_tensor_or_flag_named(tmp_path):
     assert lora.describe().startswith("LoRA on an FP8 base")
 
 
+def test_fp8_base_runs_once_and_before_the_adapters():
+    """apply_fp8_base refuses a model whose linears are FP8 already, or wrapped by LoRA already
+    (it recognises LoRA's wrappers by their `base` module: lora.py builds on fp8_base.py)."""
+    _, model = build_tiny_glm(torch.float32, **SMALL)
+    apply_fp8_base(model, FP8_LINEARS)
+    with pytest.raises(ValueError, match="runs once, before adapters.apply_lora"):
+        apply_fp8_base(model, FP8_LINEARS)
+    _, model = build_tiny_glm(torch.float32, **SMALL)
+    apply_lora(model, _lora())
+    with pytest.raises(ValueError, match="runs once, before adapters.apply_lora"):
+        apply_fp8_base(model, FP8_LINEARS)
+    _, model = build_tiny_glm(torch.float32, **SMALL)
+    assert apply_fp8_base(model, FP8_LINEARS) is not None   # a plain model is accepted
+
+
 def test_launcher_keeps_the_checkpoint_fp8(tmp_path, monkeypatch):
     """examples/pretrain_gpt.py's path: a model-format directory with FP8 weights, LoRA without
     expert adapters on the FP8 base: one step, the base as stored, bytes in the receipt."""
