@@ -56,6 +56,12 @@ class LongStrawConfig:
     token_block: int = 8192
     """Tokens per chunk for token-wise work in capture (projections, FFN, MoE); the token block
     of streamed capture."""
+    response_block: int = 8192
+    """Tokens per block of a response branch in scoring and replay (training/replay.py): a longer
+    branch runs block by block, its earlier blocks' state kept in host pages like the prompt's,
+    and replay walks the blocks in reverse, so device memory is bounded by one block, not by the
+    response. Under CP a block is rounded up to a multiple of the CP size (every rank holds a
+    share of each block). The update is the same (blockwise equals whole-branch)."""
     capture: str = "streamed"
     """"streamed" (layer by layer, token block by token block, the residual stream in host memory,
     under CP the layer's rows of every rank exchanged through host memory: nothing of the
@@ -100,8 +106,8 @@ class LongStrawConfig:
     see the prompt; rollout.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_response_len", "page_tokens", "token_block", "query_block",
-                     "key_block", "seed"):
+        for name in ("group_size", "max_response_len", "page_tokens", "token_block",
+                     "response_block", "query_block", "key_block", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
@@ -112,7 +118,8 @@ class LongStrawConfig:
         if self.group_size < 2:
             raise ValueError(f"longstraw group_size must be >= 2 (GRPO needs a group), got "
                              f"{self.group_size}.")
-        for name in ("max_response_len", "page_tokens", "token_block", "query_block", "key_block"):
+        for name in ("max_response_len", "page_tokens", "token_block", "response_block",
+                     "query_block", "key_block"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"longstraw {name} must be positive, got {getattr(self, name)}.")
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "adv_eps"):

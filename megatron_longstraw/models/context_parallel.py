@@ -191,7 +191,7 @@ def branch_key_positions(state: AttentionPass) -> torch.Tensor:
     positions = state.cp.branch_positions
     if branch_keys_counted_here(state):
         return positions
-    return torch.full_like(positions, state.prefix_len + state.cp.branch_len)
+    return torch.full_like(positions, int(positions[-1]) + 1)
 
 
 def attend_branch(state: AttentionPass, rows: Sequence[torch.Tensor],
@@ -218,18 +218,19 @@ def merge_replicated(out: torch.Tensor, lse: torch.Tensor, state: AttentionPass)
     return merged.to(out.dtype)
 
 
-def local_key_index(selection: torch.Tensor, prefix_positions: torch.Tensor, prefix_len: int,
+def local_key_index(selection: torch.Tensor, held_positions: torch.Tensor, first: int,
                     branch_here: bool) -> torch.Tensor:
-    """Global key positions [s, k] (-1 = none) -> indices into this rank's keys: its prompt shard
-    (`prefix_positions`, ascending), then the branch's rows (positions prefix_len, prefix_len + 1,
-    ...) when `branch_here`; -1 for a key held elsewhere. O(s x k): no table over the prompt."""
+    """Global key positions [s, k] (-1 = none) -> indices into this rank's keys: the rows it holds
+    before the current tokens (`held_positions`, ascending: its prompt shard, then its rows of a
+    blockwise branch's earlier blocks), then the current tokens' rows (positions first, first +
+    1, ...) when `branch_here`; -1 for a key held elsewhere. O(s x k): no table over the prompt."""
     chosen = selection.clamp(min=0)
-    num_prefix = prefix_positions.numel()
+    num_held = held_positions.numel()
     local = torch.full_like(selection, -1)
-    if num_prefix:
-        slot = torch.searchsorted(prefix_positions, chosen).clamp(max=num_prefix - 1)
-        here = (selection >= 0) & (chosen < prefix_len) & (prefix_positions[slot] == chosen)
+    if num_held:
+        slot = torch.searchsorted(held_positions, chosen).clamp(max=num_held - 1)
+        here = (selection >= 0) & (chosen < first) & (held_positions[slot] == chosen)
         local = torch.where(here, slot, local)
     if branch_here:
-        local = torch.where(selection >= prefix_len, num_prefix + selection - prefix_len, local)
+        local = torch.where(selection >= first, num_held + selection - first, local)
     return local

@@ -118,31 +118,46 @@ class DenseStateAttention(StateAwareMixer):
         return self._output(out, gate)
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        """One branch over the captured pages plus its own rows, two parts of keys
-        (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
+        """One branch (or one block of it) over the captured pages, the earlier blocks' rows and
+        its own rows, parts of keys (`models/partials.py`: no gradient buffer spans the prompt's
+        rows). Every earlier key precedes every current query: one position (0) stands for them
+        (`partials.prompt_key_positions`)."""
         rows, queries, gate = self._project(x, state.positions)
+        self._emit_branch_rows(state, rows)
         parts = [self._key_part(rows, state.positions)]
-        if state.prefix_len > 0:
-            parts.insert(0, self._page_keys(state, x.device, rows[0].dtype,
-                                            partials.prompt_key_positions(state.prefix_len,
-                                                                          x.device)))
+        for source in (self.earlier_pass(state), state if state.prefix_len > 0 else None):
+            if source is not None:
+                count = state.prefix_len if source is state else state.branch.num_rows
+                parts.insert(0, self._page_keys(source, x.device, rows[0].dtype,
+                                                partials.prompt_key_positions(count, x.device)))
         return self._output(self._attend(queries, parts, state.positions, state), gate)
 
     def forward_replay_sharded(self, x: torch.Tensor, state: AttentionPass):
-        """A branch pass with the prompt pages sharded over CP: all branch queries (the kernel's,
-        gathered) attend over this rank's page shard plus the branch's own rows (visible on rank
-        0 only), merged by log-sum-exp to the row owners (`context_parallel.attend_branch`;
-        before `_kernel_out`: linear, so the merge commutes with it)."""
+        """A branch pass (or a block of one) with the prompt pages sharded over CP: all its
+        queries (the kernel's, gathered) attend over this rank's page shard, its rows of the
+        earlier blocks and the current rows (visible on rank 0 only), merged by log-sum-exp to
+        the row owners (`context_parallel.attend_branch`; before `_kernel_out`: linear, so the
+        merge commutes with it)."""
         rows, queries, gate = self._project(x, state.positions)
+        self._emit_branch_rows(state, rows)
         q = self._kernel_queries(queries, state.positions)
+        earlier = self.earlier_pass(state)
 
         def attend(all_q, *all_rows):
-            parts = [self._page_keys(state, x.device, rows[0].dtype, state.cp.prefix_positions),
-                     self._key_part(all_rows, context_parallel.branch_key_positions(state))]
+            parts = [self._page_keys(state, x.device, rows[0].dtype, state.cp.prefix_positions)]
+            if earlier is not None:
+                parts.append(self._page_keys(earlier, x.device, rows[0].dtype,
+                                             state.branch.positions))
+            parts.append(self._key_part(all_rows, context_parallel.branch_key_positions(state)))
             return self._attend_kernel(all_q, parts, state.cp.branch_positions, state)
 
         merged = context_parallel.attend_branch(state, (q, *rows), attend)
         return self._output(self._kernel_out(merged), gate)
+
+    def _emit_branch_rows(self, state: AttentionPass, rows) -> None:
+        """A blockwise branch pass: the block's key rows, one tensor per page kind."""
+        for kind, kind_rows in zip(self.page_kinds, rows):
+            self.emit_branch(state, kind, kind_rows)
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
         """One new token per member (row i: member `state.decode.members[i]`): its key rows join

@@ -39,6 +39,7 @@ mixer keeps only its math; the context-parallel exchanges it needs are functions
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -140,6 +141,25 @@ class StateAwareMixer:
         positions = torch.arange(state.prefix_len, state.prefix_len + cached.shape[0],
                                  device=cached.device)
         return cached, positions
+
+    def earlier_pass(self, state: AttentionPass) -> AttentionPass | None:
+        """A blockwise branch pass (`state.branch`): the member's earlier blocks as a pass whose
+        pages they are, so they are read with the prompt's readers (`read_page`, `page_rows`, a
+        family's page keys); reads send their cotangents to the blocks' buffers whenever those
+        keep some (the reverse walk of replay.py: earlier rows are functions of the parameters,
+        in the detached mode too). None for a whole branch or the first block (nothing earlier:
+        under CP the same on every rank)."""
+        branch = state.branch
+        if branch is None or branch.num_rows == 0:
+            return None
+        return replace(state, pages=branch.pages, prompt_grad=PromptGrad.EXACT, branch=None)
+
+    def emit_branch(self, state: AttentionPass, kind: str, tensor: torch.Tensor | None) -> None:
+        """A blockwise branch pass: hand the block's `kind` state (this rank's key rows, or the
+        carried state at the block's end) to `state.branch.emitted` (replay.py keeps it for the
+        later blocks, or seeds its cotangent). Nothing for a whole branch."""
+        if state.branch is not None and tensor is not None:
+            state.branch.emitted[(self.layer_idx, kind)] = tensor
 
     def _exact_grad_to_page(self, state: AttentionPass, kind: str) -> bool:
         """The pass is `PromptGrad.EXACT` and the pages keep a cotangent buffer for this layer's

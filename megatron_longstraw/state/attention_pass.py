@@ -47,6 +47,13 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 - `prompt_rows`: the prompt block's key rows (what capture wrote for it) as functions of its
              input, handed to `emitted`; nothing is attended (the second half of a block of the
              blockwise prompt backward).
+- Blockwise branches (`branch`, replay.py): with `branch` set, a `score` / `replay` pass's
+             current tokens are one token block of a member's branch; its keys are the prompt's
+             pages, the branch's earlier blocks (`branch.pages`, this rank's rows of them, and the
+             carried state at the block's start) and the block's own rows. Each mixer hands the
+             block's state (its key rows, the carried state at its end) to `branch.emitted`;
+             replay.py appends it to `branch.pages` (forward, no autograd) or gives it the
+             cotangents later blocks left there (the reverse walk).
 - `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
              mixer appends a row's state to its member's branch cache and attends the member's
              query over the prompt's pages plus that cache (no autograd).
@@ -95,9 +102,10 @@ class CPPass:
     prefix_positions: Optional[torch.Tensor] = None
     """Branch passes: global positions of this rank's captured rows (its pages, in order)."""
     branch_positions: Optional[torch.Tensor] = None
-    """Branch passes: global positions of the whole (padded) branch, the same on every rank."""
+    """Branch passes: global positions of the whole (padded) branch, or of the current block of a
+    blockwise one, the same on every rank."""
     branch_len: int = 0
-    """Branch passes: rows of the padded branch (CP * rows per rank)."""
+    """Branch passes: rows of the padded branch, or of the current block (CP * rows per rank)."""
 
     @classmethod
     def for_capture(cls, layout: CPLayout, global_len: int) -> "CPPass":
@@ -105,10 +113,13 @@ class CPPass:
 
     @classmethod
     def for_branch(cls, layout: CPLayout, prefix_positions: torch.Tensor, prefix_len: int,
-                   padded_len: int) -> "CPPass":
+                   padded_len: int, start: int = 0) -> "CPPass":
+        """A branch pass over rows [start, start + padded_len) of the (padded) branch: the whole
+        branch, or one block of a blockwise one (replay.py)."""
         if layout.size == 1:
             return cls(layout=layout)
-        branch = torch.arange(prefix_len, prefix_len + padded_len, device=prefix_positions.device)
+        first = prefix_len + start
+        branch = torch.arange(first, first + padded_len, device=prefix_positions.device)
         return cls(layout=layout, prefix_positions=prefix_positions, branch_positions=branch,
                    branch_len=padded_len)
 
@@ -178,6 +189,30 @@ class AttentionPass:
     (`context_parallel.StreamedCapture`)."""
     cp: CPPass = field(default_factory=CPPass)
     """Context-parallel part (size 1: everything on this process); frozen."""
+    branch: Optional[EarlierBlocks] = None
+    """Blockwise branch passes (`score` / `replay`): the member's earlier blocks (module
+    docstring); None: the current tokens are the whole branch."""
+
+
+@dataclass(frozen=True)
+class EarlierBlocks:
+    """A blockwise branch pass's view of the member's earlier blocks (replay.py): their state on
+    this rank, read like the prompt's pages (`StateAwareMixer.earlier_pass`)."""
+
+    pages: PageStore
+    """This rank's rows of the earlier blocks by (layer, kind), in position order, and the
+    carried state (GDN) at the current block's start as fixed kinds. In the reverse walk it keeps
+    cotangent buffers (`PageStore.keep_grads`): what this block's queries read of them adds to
+    the rows' cotangents."""
+    positions: torch.Tensor
+    """[n] global positions of those rows (ascending; n = 0 for the first block)."""
+    emitted: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """Filled by the mixers: the current block's state by (layer, kind) (this rank's key rows;
+    the carried state at the block's end)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.numel())
 
 
 def member_pass(state: AttentionPass, row: int) -> AttentionPass:

@@ -594,6 +594,22 @@ class PageStore:
                 tensor.zero_()
         self._prefetched.clear()
 
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` rows of every sequence kind (and of their cotangent
+        buffers); pages past them are freed. Blockwise replay's reverse walk drops a block's rows
+        once its backward has taken their cotangents (replay.py)."""
+        self.synchronize()
+        for layer, kinds in self._seq.items():
+            for kind, entry in kinds.items():
+                if num_tokens > entry.num_tokens:
+                    raise ValueError(f"layer {layer} kind {kind!r}: cannot keep {num_tokens} rows "
+                                     f"of the {entry.num_tokens} written")
+                del entry.pages[-(-num_tokens // self.page_tokens):]
+                entry.num_tokens = num_tokens
+                if (layer, kind) in self._grads:
+                    self._grads[(layer, kind)] = self._grads[(layer, kind)][:num_tokens]
+                self._prefetched.pop(layer, None)
+
     def drop_grads(self) -> None:
         """Free every cotangent buffer (the prompt backward has used them)."""
         self._grads.clear()

@@ -113,6 +113,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Kernel backend (auto picks the fastest available and logs it).")
     group.add_argument("--longstraw-token-block", type=int, default=None,
                        help="Tokens per chunk for token-wise work in capture.")
+    group.add_argument("--longstraw-response-block", type=int, default=None,
+                       help="Tokens per block of a response in scoring and replay: longer "
+                            "responses run block by block (device memory bounded by a block; "
+                            "the same update).")
     group.add_argument("--longstraw-capture", choices=("streamed", "whole"), default=None,
                        help="Streamed capture (token blocks, the residual stream in host "
                             "memory, under CP the layer's rows exchanged through host memory; "
@@ -276,6 +280,7 @@ _FLAG_TO_FIELD = {
     "longstraw_prompt_grad": "prompt_grad",
     "longstraw_kernels": "kernels",
     "longstraw_token_block": "token_block",
+    "longstraw_response_block": "response_block",
     "longstraw_capture": "capture",
     "longstraw_query_block": "query_block",
     "longstraw_key_block": "key_block",

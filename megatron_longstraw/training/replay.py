@@ -22,9 +22,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.distributed import collectives
-from megatron_longstraw.state.attention_pass import AttentionPass, CPPass, PromptGrad
+from megatron_longstraw.state.attention_pass import (AttentionPass, CPPass, EarlierBlocks,
+                                                     PromptGrad)
+from megatron_longstraw.state.pages import PageStore
+from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.models.common import decoder_groups, embed, head_logprobs, run_group
+from megatron_longstraw.models.common import (decoder_groups, embed, head_logprobs, mixer_of,
+                                               run_group, selection_kinds)
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.grpo.loss import combine_shares
 from megatron_longstraw.training import routing_replay
@@ -32,7 +36,7 @@ from megatron_longstraw.training import routing_replay
 
 @dataclass
 class Branch:
-    """This rank's rows of one member's branch."""
+    """This rank's rows of one member's branch, or of one block of it."""
 
     input_ids: torch.Tensor   # [c] token ids (padding: 0)
     targets: torch.Tensor     # [c] next tokens (padding: 0)
@@ -40,40 +44,72 @@ class Branch:
     valid: torch.Tensor       # [c] bool, False on padding
     rows: slice               # this rank's rows within the (padded) branch
     length: int               # R (unpadded)
-    padded_length: int        # R padded to the CP size
+    padded_length: int        # rows of the branch or block, padded to the CP size
+    start: int = 0            # the block's first row in the branch (0: the whole branch)
 
 
-def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor) -> Branch:
+def branch_blocks(length: int, block: int, cp_size: int) -> list[tuple[int, int]]:
+    """(first row, padded end) of each block of a branch of `length` rows: `block` rows each
+    (rounded up to a multiple of the CP size: every rank holds a share of every block), the last
+    one padded to a multiple of the CP size. One block (the whole padded branch, as
+    `CPLayout.branch_rows` pads it) when the branch fits in one."""
+    block = -(-block // cp_size) * cp_size
+    return [(start, start + -(-min(block, length - start) // cp_size) * cp_size)
+            for start in range(0, length, block)]
+
+
+def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor, start: int = 0,
+                end: int | None = None) -> Branch:
+    """This rank's rows of the branch rows [start, end) (a block of `branch_blocks`; default:
+    the whole padded branch). Rank r holds the r-th of CP equal contiguous shares of them."""
     layout = captured.layout
     length = int(response_ids.numel())
-    start, end, padded = layout.branch_rows(length)
+    if end is None:
+        end = layout.branch_rows(length)[2]
+    per_rank = (end - start) // layout.size
+    rows = slice(start + layout.rank * per_rank, start + (layout.rank + 1) * per_rank)
     device = response_ids.device
     first = torch.tensor([captured.last_token], dtype=response_ids.dtype, device=device)
-    pad = torch.zeros(padded - length, dtype=response_ids.dtype, device=device)
+    pad = torch.zeros(max(end - length, 0), dtype=response_ids.dtype, device=device)
     input_ids = torch.cat([first, response_ids[:-1], pad])
     targets = torch.cat([response_ids, pad])
-    positions = torch.arange(captured.prefix_len, captured.prefix_len + padded, device=device)
-    valid = torch.arange(padded, device=device) < length
-    rows = slice(start, end)
-    return Branch(input_ids[rows], targets[rows], positions[rows], valid[rows], rows, length, padded)
+    positions = torch.arange(captured.prefix_len + rows.start, captured.prefix_len + rows.stop,
+                             device=device)
+    valid = torch.arange(rows.start, rows.stop, device=device) < length
+    return Branch(input_ids[rows], targets[rows], positions, valid, rows, length, end - start,
+                  start)
+
+
+def member_blocks(captured: CapturedPrompt, response_ids: torch.Tensor,
+                  cfg: LongStrawConfig) -> list[Branch]:
+    """The member's branch in blocks of `cfg.response_block` rows (one block when it fits)."""
+    bounds = branch_blocks(int(response_ids.numel()), cfg.response_block, captured.layout.size)
+    if len(bounds) == 1:
+        return [make_branch(captured, response_ids)]
+    return [make_branch(captured, response_ids, start, end) for start, end in bounds]
 
 
 def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
           selections: dict | None, mode: str = "replay",
-          prompt_grad: PromptGrad = PromptGrad.DETACHED) -> AttentionPass:
+          prompt_grad: PromptGrad = PromptGrad.DETACHED,
+          earlier: EarlierBlocks | None = None) -> AttentionPass:
     cp = CPPass.for_branch(captured.layout, captured.positions, captured.prefix_len,
-                           branch.padded_length)
+                           branch.padded_length, branch.start)
+    if selections is not None:                       # the rows of this block (or all of them)
+        selections = {layer: sel[branch.start:branch.start + branch.padded_length]
+                      for layer, sel in selections.items()}
     return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
                          reuse_selections=selections is not None, query_block=cfg.query_block,
                          key_block=cfg.key_block, token_block=cfg.token_block, cp=cp,
-                         prompt_grad=prompt_grad)
+                         prompt_grad=prompt_grad, branch=earlier)
 
 
-def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
-                checkpoint_layers: bool):
-    """Log-probs [c] of this rank's branch rows in the pass `state`. A checkpointed layer gets the
-    pass as an argument, so its recompute in backward runs in the same pass."""
+def _run_layers(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
+                checkpoint_layers: bool) -> torch.Tensor:
+    """The last hidden states [c, 1, h] of this rank's branch rows in the pass `state`. A
+    checkpointed layer gets the pass as an argument, so its recompute in backward runs in the
+    same pass."""
     hidden = embed(model, branch.input_ids)                           # [c, 1, h]
     groups = decoder_groups(model)
     for layer_idx, group in enumerate(groups):
@@ -84,12 +120,139 @@ def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: Attentio
         else:
             hidden = run_group(group, hidden, state)
         captured.pages.release(layer_idx)
+    return hidden
+
+
+def _run_branch(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
+                checkpoint_layers: bool):
+    """Log-probs [c] of this rank's branch rows in the pass `state` (`_run_layers`)."""
+    hidden = _run_layers(model, captured, branch, state, checkpoint_layers)
     return head_logprobs(model, hidden, branch.targets)
+
+
+class _Blocks:
+    """A blockwise branch's earlier blocks on this rank (module docstring): their key rows in
+    host pages (a `PageStore` like the prompt's, in the model's dtype: the rows later blocks read
+    are the rows a whole-branch pass computes), their positions, and the carried state (GDN) at
+    each block's start. Forward appends block by block; the reverse walk drops them block by
+    block (`rewind`)."""
+
+    def __init__(self, model, captured: CapturedPrompt, device):
+        prompt = captured.pages
+        self.pages = PageStore(page_tokens=prompt.page_tokens, pin_memory=prompt.pin_memory,
+                               storage_device=prompt.storage_device)
+        self.carried_kinds = {kind for group in decoder_groups(model)
+                              for kind in getattr(mixer_of(group), "carried_kinds", ())}
+        self.selection_kinds = selection_kinds(model)
+        self.device = device
+        self.positions: list[torch.Tensor] = []       # per block kept: this rank's positions
+        self.starts: list[dict] = [{}]                # per block: carried state at its start
+
+    def view(self, index: int) -> EarlierBlocks:
+        """The earlier blocks as block `index` reads them (the pages hold exactly those). The
+        last block's state is not kept (`_forward_blocks`): nothing reads it."""
+        held = self.positions[:index]
+        positions = (torch.cat(held) if held
+                     else torch.empty(0, dtype=torch.long, device=self.device))
+        return EarlierBlocks(pages=self.pages, positions=positions)
+
+    def keep(self, view: EarlierBlocks, branch: Branch) -> None:
+        """After a block's forward: its rows join the pages; its end state is the next block's
+        start (a fixed kind of the pages, and kept for the reverse walk)."""
+        start = {}
+        for (layer, kind), tensor in view.emitted.items():
+            if kind in self.carried_kinds:
+                self.pages.put(layer, kind, tensor)
+                start[(layer, kind)] = note_host(
+                    tensor.detach().to(self.pages.storage_device, copy=True))
+            else:
+                self.pages.append(layer, kind, tensor)
+        self.positions.append(branch.positions)
+        self.starts.append(start)
+
+    def keep_grads(self) -> None:
+        """The reverse walk: cotangent buffers beside the kept rows and the carried state (index
+        keys get none: they only select)."""
+        kinds = {kind for layer in self.pages.layers() for kind in self.pages.kinds(layer)}
+        self.pages.keep_grads(sorted(kinds - self.selection_kinds))
+
+    def rewind(self, index: int) -> dict[tuple[int, str], torch.Tensor]:
+        """Before block `index`'s backward: the cotangents its rows collected from the later
+        blocks (by (layer, kind)); the pages then hold the blocks before it only, and the state
+        at its start."""
+        first = sum(p.numel() for p in self.positions[:index])
+        seeds = {}
+        # the last block's state is not kept (nothing reads it): no cotangents wait for it
+        for layer in (self.pages.layers() if index < len(self.positions) else ()):
+            count = self.positions[index].numel()
+            for kind in self.pages.kinds(layer):
+                grad = self.pages.grad(layer, kind)
+                if kind in self.carried_kinds or grad is None:
+                    continue
+                seeds[(layer, kind)] = grad[first:first + count].clone()
+        self.pages.truncate(first)
+        for (layer, kind), tensor in self.starts[index].items():
+            self.pages.put(layer, kind, tensor)
+        return seeds
+
+    def carried_grads(self) -> dict[tuple[int, str], torch.Tensor]:
+        """After a block's backward: the cotangent of the state at its start (the previous
+        block's end state's), taken from the buffers, which are zeroed for the next block."""
+        out = {}
+        for layer in self.pages.layers():
+            for kind in self.pages.kinds(layer):
+                grad = self.pages.grad(layer, kind)
+                if kind in self.carried_kinds and grad is not None:
+                    out[(layer, kind)] = grad.clone()
+                    grad.zero_()
+        return out
+
+
+def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: LongStrawConfig,
+                    selections: dict | None, routed_experts, head: bool):
+    """No autograd: a blockwise branch's blocks in order, each over the prompt's pages and the
+    earlier blocks' state, which then gains its own. -> (`_Blocks`, per block: log-probs [c] of
+    this rank's rows (`head`) or None, and the selections the block used)."""
+    device = blocks[0].input_ids.device
+    kept = _Blocks(model, captured, device)
+    logps, chosen = [], []
+    for index, block in enumerate(blocks):
+        view = kept.view(index)
+        state = _pass(captured, block, cfg, selections, mode="score", earlier=view)
+        with (torch.no_grad(),
+              routing_replay.replay_routing(model, routed_experts, block.rows, block.length)):
+            hidden = _run_layers(model, captured, block, state, checkpoint_layers=False)
+            logps.append(head_logprobs(model, hidden, block.targets) if head else None)
+        if index + 1 < len(blocks):
+            kept.keep(view, block)
+        chosen.append(state.selections)
+    return kept, logps, chosen
 
 
 def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt) -> torch.Tensor:
     """This rank's rows [c] -> the whole member [R] on every rank (no autograd)."""
     return collectives.gather_tensor(values.detach(), captured.layout)[:branch.length]
+
+
+def _gather_blocks(values: list[torch.Tensor], blocks: list[Branch],
+                   captured: CapturedPrompt) -> torch.Tensor:
+    """Per block this rank's rows [c_b] -> the whole member [R] on every rank (no autograd)."""
+    whole = torch.cat([collectives.gather_tensor(v.detach(), captured.layout) for v in values])
+    return whole[:blocks[0].length]
+
+
+def _join_selections(chosen: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Per block {layer: [rows, k_b]} -> {layer: [all rows, k]}: a block whose keys were fewer
+    than the top-k has a narrower selection, widened with -1 (none)."""
+    if len(chosen) == 1:
+        return chosen[0]
+    joined = {}
+    for layer in chosen[0]:
+        parts = [c[layer] for c in chosen]
+        width = max(p.shape[1] for p in parts)
+        joined[layer] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1)
+                                   for p in parts])
+    return joined
 
 
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
@@ -98,20 +261,28 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
     selections it used (global key positions, int32, kept in host memory when pages are offloaded:
-    all G members' selections wait for replay, [R, top-k] per full indexer layer each).
+    all G members' selections wait for replay, [R, top-k] per full indexer layer each). A response
+    longer than `cfg.response_block` runs block by block (`_forward_blocks`: each block over the
+    earlier blocks' state in host pages; the same log-probs and selections).
 
     Routing replay (routing_replay.py): `selections` (the engine's, {full indexer layer: [R
     padded, k]}) are used instead of computed ones, and returned; `routed_experts` [R, L, k]
     route this rank's rows in every MoE layer."""
-    branch = make_branch(captured, response_ids)
-    state = _pass(captured, branch, cfg, selections=selections, mode="score")
-    with (torch.no_grad(),
-          routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
-        logp = _run_branch(model, captured, branch, state, checkpoint_layers=False)
+    blocks = member_blocks(captured, response_ids, cfg)
+    if len(blocks) == 1:
+        branch = blocks[0]
+        state = _pass(captured, branch, cfg, selections=selections, mode="score")
+        with (torch.no_grad(),
+              routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
+            logps = [_run_branch(model, captured, branch, state, checkpoint_layers=False)]
+        chosen = [state.selections]
+    else:
+        _, logps, chosen = _forward_blocks(model, captured, blocks, cfg, selections,
+                                           routed_experts, head=True)
     keep = "cpu" if cfg.offload_pages else None
     selections = {layer: sel.to(device=keep, dtype=torch.int32)
-                  for layer, sel in state.selections.items()}
-    return gather_member(logp, branch, captured), selections
+                  for layer, sel in _join_selections(chosen).items()}
+    return _gather_blocks(logps, blocks, captured), selections
 
 
 class ReplayedMember(NamedTuple):
@@ -121,7 +292,7 @@ class ReplayedMember(NamedTuple):
     """[R] the member's log-probs under the current parameters."""
     loss: torch.Tensor
     """0-d, detached: the member's loss (grpo.loss.member_loss: its 1/(G R_i) share included),
-    the sum of the CP ranks' shares."""
+    the sum of the CP ranks' (and blocks') shares."""
     stats: dict[str, torch.Tensor]
     """member_loss's statistics of the whole member (ratio, clip fraction, KL)."""
 
@@ -134,41 +305,72 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
 
     `loss_fn(logp, tokens)` -> (loss, stats): grpo.loss.member_loss (as the schedule binds it)
     of this rank's share of the member, from the log-probs of its tokens `tokens` (a slice of
-    the member's R tokens; padding excluded; may be empty). It is called once, under autograd;
-    the loss is backpropagated, then (context parallelism) the ranks' shares are combined into
+    the member's R tokens; padding excluded; may be empty). It is called once per block, under
+    autograd; the loss is backpropagated, then the shares (CP ranks, blocks) are combined into
     the member's loss and statistics, the same on every rank (`_whole_member`). Every rank calls
     backward (the exchanges in attention are collectives), even with an empty share. Gradients
     accumulate into `.grad` (plain sums across members: the loss carries the 1/(G R_i) share).
     `routed_experts` [R, L, k]: the engine's routing, kept through backward (the checkpoint
     recompute routes the same way; routing_replay.py).
+
+    A branch longer than `cfg.response_block` is replayed block by block (module docstring):
+    a forward without autograd keeps every block's state in host pages, then the blocks run in
+    reverse, each under autograd over the earlier blocks' pages, backpropagating its loss and
+    the cotangents the later blocks left on its own state.
     """
-    branch = make_branch(captured, response_ids)
-    # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
-    state = _pass(captured, branch, cfg, selections=selections, mode="replay",
-                  prompt_grad=cfg.prompt_grad)
-    # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
-    with routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length):
-        logp = _run_branch(model, captured, branch, state, cfg.checkpoint_layers)
-        num_valid = int(branch.valid.sum())
-        loss, stats = loss_fn(logp[:num_valid],
-                              slice(branch.rows.start, branch.rows.start + num_valid))
-        loss.backward()
-    loss, stats = _whole_member(loss.detach(), stats, num_valid, captured.layout)
-    return ReplayedMember(gather_member(logp, branch, captured), loss, stats)
+    blocks = member_blocks(captured, response_ids, cfg)
+    kept = None
+    if len(blocks) > 1:
+        kept, _, _ = _forward_blocks(model, captured, blocks, cfg, selections, routed_experts,
+                                     head=False)
+        kept.keep_grads()
+    logps, shares, carried = [None] * len(blocks), [], {}
+    for index in reversed(range(len(blocks))):
+        block = blocks[index]
+        seeds, view = {}, None
+        if kept is not None:
+            seeds = kept.rewind(index)
+            view = kept.view(index)
+        # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
+        state = _pass(captured, block, cfg, selections=selections, mode="replay",
+                      prompt_grad=cfg.prompt_grad, earlier=view)
+        # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
+        with routing_replay.replay_routing(model, routed_experts, block.rows, block.length):
+            logp = _run_branch(model, captured, block, state, cfg.checkpoint_layers)
+            num_valid = int(block.valid.sum())
+            loss, stats = loss_fn(logp[:num_valid],
+                                  slice(block.rows.start, block.rows.start + num_valid))
+            outputs, cotangents = [loss], [torch.ones_like(loss)]
+            for key, tensor in (view.emitted.items() if view is not None else ()):
+                seed = carried.get(key) if key in carried else seeds.get(key)
+                if seed is not None and tensor.requires_grad:
+                    outputs.append(tensor)
+                    cotangents.append(seed.to(tensor.device, tensor.dtype).reshape(tensor.shape))
+            torch.autograd.backward(outputs, cotangents)
+        if kept is not None:
+            carried = kept.carried_grads()
+        logps[index] = logp.detach()
+        shares.append((loss.detach(), stats, num_valid))
+    loss, stats = _whole_member(shares[::-1], captured.layout)
+    return ReplayedMember(_gather_blocks(logps, blocks, captured), loss, stats)
 
 
-def _whole_member(loss: torch.Tensor, stats: dict[str, torch.Tensor], num_rows: int,
+def _whole_member(shares: list[tuple[torch.Tensor, dict[str, torch.Tensor], int]],
                   layout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This rank's share of the member's (loss, stats), over `num_rows` of its tokens -> the
-    member's, on every rank: under CP one all-gather of each rank's few numbers, then
+    """This rank's shares of the member's (loss, stats, rows), one per block -> the member's, on
+    every rank: under CP one all-gather of each rank's few numbers per block, then
     `grpo.loss.combine_shares` (no divisor applied again)."""
+    if layout.size == 1 and len(shares) == 1:
+        return shares[0][0], shares[0][1]
     if layout.size == 1:
-        return loss, stats
-    keys = sorted(stats)
+        return combine_shares(shares)
+    loss = shares[0][0]
+    keys = sorted(shares[0][1])
     # float64 holds the fp32 / fp64 figures and the row count exactly
-    mine = torch.stack([loss, *(stats[k] for k in keys)]).to(torch.float64)
-    mine = torch.cat([mine, mine.new_tensor([num_rows])])
-    shares = [(row[0].to(loss.dtype), {k: row[1 + j].to(loss.dtype) for j, k in enumerate(keys)},
-               int(row[-1]))
-              for row in collectives.gather_tensor(mine[None], layout)]     # [CP, 2 + stats]
-    return combine_shares(shares)
+    mine = torch.stack([torch.stack([share_loss, *(stats[k] for k in keys),
+                                     share_loss.new_tensor(rows)]).to(torch.float64)
+                        for share_loss, stats, rows in shares])          # [blocks, 2 + stats]
+    gathered = collectives.gather_tensor(mine, layout)                     # [CP * blocks, ...]
+    return combine_shares([(row[0].to(loss.dtype),
+                            {k: row[1 + j].to(loss.dtype) for j, k in enumerate(keys)},
+                            int(row[-1])) for row in gathered])

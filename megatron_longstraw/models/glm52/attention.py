@@ -184,19 +184,27 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state, [keys], None, positions))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        """One branch over the captured pages plus its own rows: two parts of keys
-        (`models/partials.py`: no gradient buffer spans the prompt's rows)."""
+        """One branch (or one block of it) over the captured pages, the earlier blocks' rows and
+        its own rows: parts of keys in position order (`models/partials.py`: no gradient buffer
+        spans the prompt's rows), so an index into their concatenation is a global position."""
         latents, index_keys = self._token_rows(x, state, index_keys=not state.reuse_selections)
-        parts, positions = [latents], state.positions
-        if state.prefix_len > 0:
-            parts.insert(0, self.page_rows(state, LATENT, x.device, latents.dtype))
-            # Index keys feed the top-k only (never a gradient), and only when it is computed
-            # here: replay reuses scoring's selections and reads no prompt index keys.
-            if index_keys is not None and not state.reuse_selections:
-                prefix_index = self.read_page(state, INDEX_KEY, x.device, index_keys.dtype,
-                                              differentiable=False)
-                index_keys = torch.cat([prefix_index, index_keys])
-                positions = torch.cat([torch.arange(state.prefix_len, device=x.device), positions])
+        self.emit_branch(state, LATENT, latents)
+        self.emit_branch(state, INDEX_KEY, index_keys)
+        parts, positions, index_parts = [latents], state.positions, [index_keys]
+        # Index keys feed the top-k only (never a gradient), and only when it is computed here:
+        # replay reuses scoring's selections and reads no earlier index keys.
+        top_k_here = index_keys is not None and not state.reuse_selections
+        earlier = self.earlier_pass(state)
+        for source in (earlier, state if state.prefix_len > 0 else None):
+            if source is None:
+                continue
+            parts.insert(0, self.page_rows(source, LATENT, x.device, latents.dtype))
+            if top_k_here:
+                index_parts.insert(0, self.read_page(source, INDEX_KEY, x.device, index_keys.dtype,
+                                                     differentiable=False))
+        if top_k_here and len(index_parts) > 1:
+            index_keys = torch.cat(index_parts)      # one process: every position from 0 on
+            positions = torch.arange(index_keys.shape[0], device=x.device)
         return self._project_out(self._attend(x, state, parts, index_keys, positions))
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
@@ -290,53 +298,62 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     def _replay_context_parallel(self, x: torch.Tensor, state: AttentionPass) -> torch.Tensor:
         """A branch pass with the prompt sharded over CP (`models/context_parallel.py`): this rank
-        owns rows [start, end) of the branch; all branch queries attend over this rank's prompt
-        shard (and, on rank 0, the branch's own rows) with the global top-k, and the partial
-        outputs merge by log-sum-exp to the row owners. -> [c, h, v]"""
-        core: DSAIndexHolder = self.core_attention
+        owns rows [start, end) of the branch (or of the current block of a blockwise one); all of
+        its queries attend over this rank's prompt shard, its rows of the earlier blocks and (on
+        rank 0) the current rows, with the global top-k, and the partial outputs merge by
+        log-sum-exp to the row owners. -> [c, h, v]"""
         cp = state.cp
         own_latents, own_index_keys = self._token_rows(x, state,
                                                        index_keys=not state.reuse_selections)
+        self.emit_branch(state, LATENT, own_latents)
+        self.emit_branch(state, INDEX_KEY, own_index_keys)
         q_compressed, query = self._queries(x, state.positions)
-        branch_positions = cp.branch_positions                     # [R_pad], all ranks
+        branch_positions = cp.branch_positions                     # [rows], all ranks
+        here = context_parallel.branch_keys_counted_here(state)
+        earlier = self.earlier_pass(state)
+        held = [cp.prefix_positions] + ([] if earlier is None else [state.branch.positions])
 
         def candidates(q_index, weights):
-            # Per query block: the exchanged candidates are [query_block, CP * 2 * top-k], not
-            # [R, CP * 2 * top-k] (every rank runs the same blocks: each merge is a collective).
+            # Per query block: the exchanged candidates are [query_block, CP * 3 * top-k], not
+            # [R, CP * 3 * top-k] (every rank runs the same blocks: each merge is a collective).
             all_q = collectives.gather_rows(q_index, cp.layout)
             all_w = collectives.gather_rows(weights, cp.layout)
-            prefix_keys = self.read_page(state, INDEX_KEY, x.device, differentiable=False)
-            all_index_keys = collectives.gather_rows(own_index_keys, cp.layout)
-            k = min(self.config.dsa_indexer_topk, state.prefix_len + branch_positions.numel())
+            sources = [(self.read_page(state, INDEX_KEY, x.device, differentiable=False),
+                        cp.prefix_positions)]
+            if earlier is not None:
+                sources.append((self.read_page(earlier, INDEX_KEY, x.device, differentiable=False),
+                                state.branch.positions))
+            sources.append((collectives.gather_rows(own_index_keys, cp.layout), branch_positions))
+            k = min(self.config.dsa_indexer_topk, int(branch_positions[-1]) + 1)
             selection = []
             for start in range(0, all_q.shape[0], state.query_block):
                 rows = slice(start, start + state.query_block)
-                scores, pos = self._shard_topk(all_q[rows], all_w[rows], prefix_keys,
-                                               cp.prefix_positions, branch_positions[rows], state)
-                own_s, own_p = self._shard_topk(all_q[rows], all_w[rows], all_index_keys,
-                                                branch_positions, branch_positions[rows], state)
-                if not context_parallel.branch_keys_counted_here(state):
-                    own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
-                selection.append(collectives.merge_topk_candidates(
-                    torch.cat([scores, own_s], 1), torch.cat([pos, own_p], 1), k, cp.layout))
+                found = [self._shard_topk(all_q[rows], all_w[rows], keys, key_positions,
+                                          branch_positions[rows], state)
+                         for keys, key_positions in sources]
+                if not here:                  # the current rows' keys count on rank 0 only
+                    found[-1] = (found[-1][0].fill_(float("-inf")), found[-1][1].fill_(-1))
+                scores, positions = (torch.cat(parts, 1) for parts in zip(*found))
+                selection.append(collectives.merge_topk_candidates(scores, positions, k,
+                                                                   cp.layout))
             return torch.cat(selection)
 
         selection = self._selection(x, q_compressed, state, 0, branch_positions.numel(),
                                     candidates, gathered=True)
 
         def attend(all_query, all_latents):
-            # Keys here: this rank's prompt rows, then the branch's rows (two parts); selected
-            # positions map to them (-1: a key held by another rank, or a branch key off rank 0).
-            prefix_latents = self.page_rows(state, LATENT, x.device, own_latents.dtype)
-            local = context_parallel.local_key_index(selection, cp.prefix_positions,
-                                                     state.prefix_len,
-                                                     context_parallel.branch_keys_counted_here(state))
+            # Keys here: this rank's prompt rows, its rows of the earlier blocks, then the
+            # current rows; selected positions map to them (-1: a key held by another rank, or a
+            # current key off rank 0).
+            parts = [self.page_rows(source, LATENT, x.device, own_latents.dtype)
+                     for source in (state, earlier) if source is not None] + [all_latents]
+            local = context_parallel.local_key_index(selection, torch.cat(held),
+                                                     int(branch_positions[0]), here)
             outs, lses = [], []
             for start in range(0, all_query.shape[0], state.query_block):
                 end = min(start + state.query_block, all_query.shape[0])
-                out, lse = partials.sparse_mla(
-                    all_query[start:end], [prefix_latents, all_latents], local[start:end],
-                    self.softmax_scale, self.config.kv_lora_rank)
+                out, lse = partials.sparse_mla(all_query[start:end], parts, local[start:end],
+                                               self.softmax_scale, self.config.kv_lora_rank)
                 outs.append(out)
                 lses.append(lse)
             return torch.cat(outs), torch.cat(lses)

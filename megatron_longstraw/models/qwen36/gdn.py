@@ -165,11 +165,16 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         return self.out_proj(self._to_rows(mixed, exchange))
 
     def forward_replay(self, x: torch.Tensor, state: AttentionPass):
-        """From the captured prefix's state (zeros when nothing was captured)."""
-        if state.prefix_len == 0:
-            return self.forward_full(x, state)
-        tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
-        return self._continue(x, state, tail, self.read_page(state, GDN_STATE, x.device)[None])
+        """From the state at the branch's start: the captured prefix's (zeros when nothing was
+        captured), or for a later block of a blockwise branch the state the earlier blocks
+        carried to it (`earlier_pass`); such a block hands its end state to `emit_branch`."""
+        source = self.earlier_pass(state) or (state if state.prefix_len > 0 else None)
+        if source is None:
+            conv_tail, recurrent = self._zero_state(x)
+        else:
+            conv_tail = self.read_page(source, CONV_TAIL, x.device, x.dtype)
+            recurrent = self.read_page(source, GDN_STATE, x.device)[None]
+        return self._continue(x, state, conv_tail, recurrent)
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
         """One new token per member (row i: member `state.decode.members[i]`), each continuing
@@ -205,10 +210,15 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         return self.out_proj(mixed)
 
     def _continue(self, x: torch.Tensor, state: AttentionPass, conv_tail, recurrent):
-        """The branch (or whole sequence) continuing from (conv_tail, recurrent)."""
+        """The branch (or whole sequence, or one block of a blockwise branch) continuing from
+        (conv_tail, recurrent); a block's end state goes to `emit_branch`."""
         exchange = self._exchange(x, state)
         projected = self._to_heads(self.in_proj(x)[0], exchange)
-        mixed, _, _ = self._mix(projected, conv_tail, recurrent, False)
+        keep = state.branch is not None
+        mixed, conv_tail, recurrent = self._mix(projected, conv_tail, recurrent, keep)
+        if keep:
+            self.emit_branch(state, CONV_TAIL, conv_tail)
+            self.emit_branch(state, GDN_STATE, recurrent[0])
         return self.out_proj(self._to_rows(mixed, exchange))
 
     def _capture(self, x: torch.Tensor, state: AttentionPass, exchange) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Blockwise branches (training/replay.py, `response_block`): a response longer than a block is
+scored and replayed block by block, its earlier blocks' state in host pages and the backward
+walking the blocks in reverse. The same numbers as the whole branch: log-probs, DSA selections,
+every parameter's gradient, detached and exact (fp64, three families, CP 1 here; CP 2 in
+tests/test_blockwise_replay_cp.py); the exact mode also equals plain autograd over the full
+sequences (tests/helpers.full_sequence_logprobs: no capture, no replay)."""
+
+import pytest
+import torch
+
+from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
+from megatron_longstraw.config.loss import GRPOLossConfig
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.data.group import GRPOGroup
+from megatron_longstraw.grpo.loss import grpo_loss
+from megatron_longstraw.training.replay import branch_blocks, score_member
+from megatron_longstraw.training.schedule import forward_backward_longstraw
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+# GDN's chunked rule works in chunks of 64 tokens: blocks of 23 put boundaries at 23, 46, 69 and
+# 92, inside chunks; GLM-5.2's top-k (16) then selects across them (checked below).
+LENS = (5, 30, 97)
+BLOCK = 23
+
+
+def _build(family):
+    if family == "deepseekv3":
+        from test_deepseekv3 import build_tiny_deepseekv3
+
+        return build_tiny_deepseekv3(torch.float64)
+    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float64)
+
+
+def _group(vocab, prompt_len):
+    gen = torch.Generator().manual_seed(5)
+    return GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
+                     response_ids=[torch.randint(0, vocab, (n,), generator=gen) for n in LENS],
+                     rewards=torch.tensor([1.0, 0.0, 0.25], dtype=torch.float64))
+
+
+def _config(block, mode="detached", **kw):
+    return LongStrawConfig(group_size=len(LENS), query_block=13, key_block=37, token_block=50,
+                           max_response_len=128, clip_eps_high=0.28, prompt_grad=mode,
+                           response_block=block, **kw)
+
+
+def _grads(model, group, ls):
+    model.zero_grad(set_to_none=True)
+    result = forward_backward_longstraw(model, group, ls)
+    return result, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(got, ref):
+    assert got.keys() == ref.keys() and got
+    return max(float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)) for n in ref)
+
+
+def test_blocks_cover_the_branch_and_round_to_the_cp_size():
+    assert branch_blocks(97, 23, 1) == [(0, 23), (23, 46), (46, 69), (69, 92), (92, 97)]
+    assert branch_blocks(97, 8192, 1) == [(0, 97)]
+    # CP 4: blocks of 24 (23 rounded up), the last one padded to 4 rows a rank
+    assert branch_blocks(97, 23, 4) == [(0, 24), (24, 48), (48, 72), (72, 96), (96, 100)]
+    assert branch_blocks(5, 23, 4) == [(0, 8)]
+
+
+@pytest.mark.parametrize("family,prompt_len", [("glm52", 40), ("qwen36", 40),
+                                               ("deepseekv3", 40)])
+def test_blockwise_scoring_equals_the_whole_branch(family, prompt_len):
+    cfg, model = _build(family)
+    group = _group(cfg.vocab_size, prompt_len)
+    whole, blocks = _config(8192), _config(BLOCK)
+    captured = capture_prompt(model, group.prompt_ids, whole)
+    for response in group.response_ids:
+        logp, selections = score_member(model, captured, response, whole)
+        logp_b, selections_b = score_member(model, captured, response, blocks)
+        assert float((logp_b - logp).abs().max()) <= 1e-12
+        assert selections.keys() == selections_b.keys()
+        for layer, sel in selections.items():
+            # the same set of keys per query (a block with fewer keys than the top-k pads with -1)
+            width = max(sel.shape[1], selections_b[layer].shape[1])
+            pad = [torch.nn.functional.pad(s, (0, width - s.shape[1]), value=-1).sort(1).values
+                   for s in (sel, selections_b[layer])]
+            assert torch.equal(*pad), layer
+    if family == "glm52":   # queries after a block boundary select keys of earlier blocks
+        sel = selections[0][BLOCK:2 * BLOCK]
+        branch_keys = (sel >= prompt_len - 1) & (sel < prompt_len - 1 + BLOCK)
+        assert bool(branch_keys.any())
+
+
+@pytest.mark.parametrize("family,mode", [("glm52", "detached"), ("glm52", "exact"),
+                                         ("qwen36", "detached"), ("qwen36", "exact"),
+                                         ("deepseekv3", "exact")])
+def test_blockwise_replay_equals_whole_branch_replay(family, mode):
+    cfg, model = _build(family)
+    group = _group(cfg.vocab_size, 40)
+    whole, whole_grads = _grads(model, group, _config(8192, mode))
+    blocks, block_grads = _grads(model, group, _config(BLOCK, mode))
+    worst = _worst(block_grads, whole_grads)
+    print(f"{family} {mode}: blockwise vs whole-branch gradients {worst:.2e}")
+    assert worst <= 1e-12
+    assert abs(blocks.loss - whole.loss) <= 1e-12
+    for a, b in zip(blocks.logps, whole.logps):
+        assert float((a - b).abs().max()) <= 1e-12
+    for key in ("clip_frac", "ratio_mean", "ratio_max", "ratio_min", "kl"):
+        assert abs(blocks.stats[key] - whole.stats[key]) <= 1e-12, key
+
+
+@pytest.mark.parametrize("family,checkpoint_layers", [("glm52", True), ("qwen36", False)])
+def test_blockwise_exact_replay_equals_full_sequence_autograd(family, checkpoint_layers):
+    cfg, model = _build(family)
+    group = _group(cfg.vocab_size, 40)
+    model.zero_grad(set_to_none=True)
+    logps = [full_sequence_logprobs(model, group.prompt_ids, r) for r in group.response_ids]
+    grpo_loss(logps, [lp.detach() for lp in logps], group.rewards,
+              GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    _, exact = _grads(model, group, _config(BLOCK, "exact", checkpoint_layers=checkpoint_layers))
+    worst = _worst(exact, reference)
+    print(f"{family}: blockwise exact vs full autograd {worst:.2e}")
+    assert worst <= 1e-9
