@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.runtime.patches.layer_state import release_call_state
 from megatron_longstraw.state.attention_pass import AttentionPass
@@ -73,19 +74,70 @@ def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.embedding(input_ids=input_ids[None, :], position_ids=None)
 
 
+HEAD_CHUNK_ROWS = 1024
+"""Rows of the LM head's logits formed at once by `head_logprobs` (its default `chunk_rows`). The
+head's forward + backward peaks at about three fp32 [chunk_rows, vocab] tensors (logits,
+log-softmax, its gradient; 3.0-3.1x measured on CPU for fp32 and bf16 weights, weight gradients
+aside): at Qwen3.6's 248,320 tokens and 1024 rows about 2.8 GiB, whatever the response length."""
+
+
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Final norm + output layer. hidden [s, 1, h] -> logits [s, vocab] (float32 or wider)."""
+    """Final norm + output layer. hidden [s, 1, h] -> logits [s, vocab] (float32 or wider). Forms
+    all s rows at once: for a few rows (decode's G samples); `head_logprobs` chunks the rows."""
     hidden = model.decoder.final_norm(hidden)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=weight)
     return logits[:, 0].to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """`head_logits` + log-softmax at the targets. hidden [s, 1, h], targets [s] -> [s]
-    (float32 or wider)."""
-    logits = head_logits(model, hidden)
-    return F.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor,
+                  chunk_rows: int = HEAD_CHUNK_ROWS) -> torch.Tensor:
+    """`head_logits` + log-softmax at the targets, `chunk_rows` rows at a time
+    (`head_logprobs_entropy`). hidden [s, 1, h], targets [s] -> [s] (float32 or wider)."""
+    return head_logprobs_entropy(model, hidden, targets, chunk_rows)[0]
+
+
+def head_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor,
+                          chunk_rows: int = HEAD_CHUNK_ROWS, with_entropy: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the targets and, with `with_entropy`, the entropy of the policy's next-token
+    distribution (no autograd), walking the rows in chunks of `chunk_rows` so that the
+    [rows, vocab] logits exist for one chunk at a time, in the forward and in the backward.
+    hidden [s, 1, h], targets [s] (int64) -> (log-probs [s], entropy [s] or None), float32 or wider.
+
+    Each chunk runs `head_logits` (final norm + output layer, through the modules themselves, so a
+    tied embedding weight or a LoRA-wrapped output layer is used exactly as in the unchunked head),
+    log-softmax and gather. Under autograd every chunk is a non-reentrant checkpoint: the forward
+    keeps only the chunk's input rows (views of `hidden`: O(s x h) in all) and its [c] log-probs;
+    the backward recomputes that chunk's logits (the checkpoint restores the RNG state, so LoRA
+    dropout draws the same mask) and frees them before the next chunk (autograd runs the chunks'
+    nodes in reverse creation order, one chunk after the other). Results are those of one
+    `log_softmax(head_logits(...))` gather: the norm, the matmul and the softmax are row-wise, so
+    chunking changes which rows share a kernel call, not what a row computes; gradients reach
+    `hidden`, the final norm, the output (or shared embedding) weight and any adapters by plain
+    autograd. The price is one more head forward in the backward.
+
+    Tensor parallelism is always 1 here (the mixers refuse TP > 1), so the output layer holds the
+    whole vocabulary and there is no vocab-parallel softmax."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive number of rows, got {chunk_rows}.")
+    # None after the forward: a backward's recompute of a chunk does not compute the entropy again
+    sink = {"entropy": [] if with_entropy else None}
+
+    def chunk_logprobs(hidden_chunk: torch.Tensor, targets_chunk: torch.Tensor) -> torch.Tensor:
+        logprobs = F.log_softmax(head_logits(model, hidden_chunk), dim=-1)      # [c, vocab]
+        if sink["entropy"] is not None:
+            with torch.no_grad():
+                sink["entropy"].append(-(logprobs.exp() * logprobs).sum(-1))    # [c]
+        return logprobs.gather(-1, targets_chunk[:, None]).squeeze(-1)         # [c]
+
+    checkpointed = torch.is_grad_enabled()
+    picked = [checkpoint(chunk_logprobs, h, t, use_reentrant=False) if checkpointed
+              else chunk_logprobs(h, t)
+              for h, t in zip(hidden.split(chunk_rows), targets.split(chunk_rows))]
+    entropy = torch.cat(sink["entropy"]) if with_entropy else None
+    sink["entropy"] = None
+    return torch.cat(picked), entropy
 
 
 def build_hybrid_model(cfg, tcfg, stack_spec, params_dtype: torch.dtype):
