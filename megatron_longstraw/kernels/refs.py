@@ -175,15 +175,12 @@ def indexer_topk_windows(q: torch.Tensor, weights: torch.Tensor, read, num_keys:
     return best_idx, best_scores
 
 
-def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
-                         scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed-MLA attention over selected latent rows (the FlashMLA sparse-prefill contract).
-
-    query: [s, h, d_qk] (d_qk = kv_lora_rank + rope dim; the nope part already absorbed W_UK),
-    latents: [t, d_qk] rows `[c_kv; k_pe]`, indices: [s, k] into `latents` (-1 = skip),
-    returns (out [s, h, v_dim] = softmax(q.latent * scale) @ c_kv, lse [s, h] in float32 or wider).
-    A query with no valid index gets out = 0 and lse = -inf (it merges as an empty partial).
-    """
+def _sparse_mla_attention_autograd(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
+                                   scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-autograd formula of `sparse_mla_attention` (the previous reference, kept to test
+    the blocked one against). Under autograd it saves the gathered rows [s, k, d_qk], the logits
+    and probabilities [s, h, k] of every query row, and its backward forms a gradient of latents'
+    full shape through the gather: do not use it where memory matters."""
     valid = indices >= 0
     rows = latents[indices.clamp(min=0)]                      # [s, k, d_qk]
     logits = torch.einsum("shd,skd->shk", query, rows) * scale
@@ -194,6 +191,104 @@ def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: to
     probs = probs.masked_fill(~valid[:, None, :], 0.0).to(rows.dtype)
     out = torch.einsum("shk,skr->shr", probs, rows[..., :v_dim])
     return out, lse
+
+
+def _sparse_block(query, latents, indices, scale, acc):
+    """One query block's gathered rows and logits: query [b, h, d_qk] in `acc`, indices [b, k]
+    -> (rows [b, k, d_qk] in `acc`, logits [b, h, k] in `acc`, -inf where the index is -1)."""
+    rows = latents[indices.clamp(min=0)].to(acc)
+    logits = torch.einsum("shd,skd->shk", query, rows) * scale
+    return rows, logits.masked_fill_((indices < 0)[:, None, :], float("-inf"))
+
+
+class _SparseMLAAttention(torch.autograd.Function):
+    """`sparse_mla_attention` walked over query rows in blocks, with a backward that recomputes
+    each block's gathered rows and probabilities (flash-attention style).
+
+    Saved for backward: query [s, h, d_qk], latents [t, d_qk] (references to the inputs, no
+    copies), indices [s, k] (int32 when t fits, else the caller's), out [s, h, v_dim] and lse
+    [s, h]: no [s, k, d_qk] gathered rows, no [s, h, k] logits. Scratch: one query block's rows
+    [query_block, k, d_qk] and three [query_block, h, k] score tensors, in `acc` (float32 or
+    wider); the backward adds the rows' cotangents into one buffer of latents' shape (index_add_),
+    formed only when latents needs a gradient.
+
+    Results equal the plain formula (`_sparse_mla_attention_autograd`) up to summation order:
+    every query row's softmax only reads its own k rows, so blocking the rows changes nothing, and
+    the backward is the softmax gradient written out: with p = exp(logit - lse), g the
+    cotangent of out and g_lse that of lse, d logit = p * (g . v_j - (g . out - g_lse)).
+    """
+
+    @staticmethod
+    def forward(ctx, query, latents, indices, scale: float, v_dim: int, query_block: int):
+        acc = torch.promote_types(torch.promote_types(query.dtype, latents.dtype), torch.float32)
+        if latents.shape[0] <= torch.iinfo(torch.int32).max:
+            indices = indices.to(torch.int32)                 # saved: half the bytes of int64
+        num_queries, num_heads = query.shape[:2]
+        out = torch.empty(num_queries, num_heads, v_dim, dtype=latents.dtype, device=query.device)
+        lse = torch.empty(num_queries, num_heads, dtype=acc, device=query.device)
+        for start in range(0, num_queries, query_block):
+            end = min(start + query_block, num_queries)
+            rows, logits = _sparse_block(query[start:end].to(acc), latents, indices[start:end],
+                                         scale, acc)
+            block_lse = torch.logsumexp(logits, dim=-1)                     # [b, h]
+            probs = lse_merge_weights(logits, block_lse[..., None])        # 0 where skipped
+            out[start:end] = torch.einsum("shk,skr->shr", probs, rows[..., :v_dim])
+            lse[start:end] = block_lse
+        ctx.save_for_backward(query, latents, indices, out, lse)
+        ctx.scale, ctx.v_dim, ctx.query_block = scale, v_dim, query_block
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, latents, indices, out, lse = ctx.saved_tensors
+        need_query, need_latents = ctx.needs_input_grad[:2]
+        acc, scale, v_dim = lse.dtype, ctx.scale, ctx.v_dim
+        grad_query = torch.zeros(query.shape, dtype=acc, device=query.device) if need_query else None
+        grad_latents = (torch.zeros(latents.shape, dtype=acc, device=latents.device)
+                        if need_latents else None)
+        for start in range(0, query.shape[0], ctx.query_block):
+            end = min(start + ctx.query_block, query.shape[0])
+            block_idx = indices[start:end]
+            q_blk = query[start:end].to(acc)
+            g_out = grad_out[start:end].to(acc)
+            # d lse / d logit = p, so the lse cotangent enters like -delta (flash backward); an
+            # empty row (lse -inf) has p = 0 and takes none of it.
+            delta = (g_out * out[start:end].to(acc)).sum(-1)               # [b, h]
+            if grad_lse is not None:
+                delta = delta - grad_lse[start:end].to(acc).nan_to_num(0.0)
+            rows, logits = _sparse_block(q_blk, latents, block_idx, scale, acc)
+            probs = lse_merge_weights(logits, lse[start:end, :, None])     # [b, h, k]
+            grad_logits = probs * (torch.einsum("shr,skr->shk", g_out, rows[..., :v_dim])
+                                   - delta[..., None])
+            if need_query:
+                grad_query[start:end] = torch.einsum("shk,skd->shd", grad_logits, rows) * scale
+            if need_latents:
+                grad_rows = torch.einsum("shk,shd->skd", grad_logits, q_blk) * scale
+                grad_rows[..., :v_dim] += torch.einsum("shk,shr->skr", probs, g_out)
+                # Skipped entries (-1) carry zero cotangent (p = 0): adding them at row 0 is a no-op.
+                grad_latents.index_add_(0, block_idx.clamp(min=0).flatten(),
+                                        grad_rows.flatten(0, 1))
+        return (None if grad_query is None else grad_query.to(query.dtype),
+                None if grad_latents is None else grad_latents.to(latents.dtype),
+                None, None, None, None)
+
+
+def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
+                         scale: float, v_dim: int, query_block: int = 256
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA attention over selected latent rows (the FlashMLA sparse-prefill contract).
+
+    query: [s, h, d_qk] (d_qk = kv_lora_rank + rope dim; the nope part already absorbed W_UK),
+    latents: [t, d_qk] rows `[c_kv; k_pe]`, indices: [s, k] into `latents` (-1 = skip),
+    returns (out [s, h, v_dim] = softmax(q.latent * scale) @ c_kv in latents' dtype, lse [s, h] in
+    float32 or wider), both differentiable w.r.t. query and latents. A query with no valid index
+    gets out = 0 and lse = -inf (it merges as an empty partial).
+
+    Computed `query_block` query rows at a time in float32 or wider (`_SparseMLAAttention`):
+    under autograd it saves query, latents, indices, out and lse, never the gathered rows, so a
+    replay's saved bytes grow with s x h x d, not with s x k x d_qk.
+    """
+    return _SparseMLAAttention.apply(query, latents, indices, scale, v_dim, query_block)
 
 
 def lse_merge_weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
