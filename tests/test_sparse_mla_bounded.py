@@ -114,3 +114,22 @@ def test_held_bytes_grow_with_rows_times_heads_not_with_the_gathered_rows():
     plain = (_peak_bytes(refs._sparse_mla_attention_autograd, 4 * s)
              - _peak_bytes(refs._sparse_mla_attention_autograd, s))
     assert plain > gathered, plain
+
+
+def test_sink_receives_the_latents_gradient():
+    """`sparse_mla_attention_to_sink` (the exact prompt gradient's page rows): the row cotangents
+    the sink adds up equal the latents' gradient of the plain formula; latents get none."""
+    query, latents, indices, v_dim, grad_out, grad_lse = _case(seed=4)
+    buffer = torch.zeros_like(latents)
+
+    def to_sink(q, lat, idx, scale, v):
+        return refs.sparse_mla_attention_to_sink(
+            q, lat, idx, scale, v, lambda rows, grad: buffer.index_add_(0, rows.long(), grad),
+            query_block=4)
+
+    got = _run(to_sink, query, latents, indices, v_dim, grad_out, grad_lse)
+    expected = _run(refs._sparse_mla_attention_autograd, query, latents, indices, v_dim,
+                    grad_out, grad_lse)
+    assert got[3] is None
+    assert (got[2] - expected[2]).abs().max() <= 1e-12
+    assert (buffer - expected[3]).abs().max() <= 1e-12 and buffer.abs().max() > 0
