@@ -284,8 +284,13 @@ class _SparseMLAAttention(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+SPARSE_QUERY_BLOCK = 256
+"""`sparse_mla_attention`'s default query block: its scratch is [256, k, d_qk] rows and [256, h, k]
+scores (float32 or wider), at most, whatever the caller's block (the planner charges it)."""
+
+
 def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
-                         scale: float, v_dim: int, query_block: int = 256
+                         scale: float, v_dim: int, query_block: int = SPARSE_QUERY_BLOCK
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA attention over selected latent rows (the FlashMLA sparse-prefill contract).
 
@@ -307,7 +312,7 @@ def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: to
 
 def sparse_mla_attention_to_sink(query: torch.Tensor, latents: torch.Tensor,
                                  indices: torch.Tensor, scale: float, v_dim: int, latent_grads,
-                                 query_block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+                                 query_block: int = SPARSE_QUERY_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla_attention` over latent rows held outside the graph (e.g. a layer's prompt
     pages, constant here), whose cotangents go to `latent_grads(row_idx [n], grad_rows [n, d_qk])`
     one query block at a time (rows may repeat: the sink adds with index_add_), so no gradient
