@@ -175,15 +175,12 @@ def indexer_topk_windows(q: torch.Tensor, weights: torch.Tensor, read, num_keys:
     return best_idx, best_scores
 
 
-def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
-                         scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed-MLA attention over selected latent rows (the FlashMLA sparse-prefill contract).
-
-    query: [s, h, d_qk] (d_qk = kv_lora_rank + rope dim; the nope part already absorbed W_UK),
-    latents: [t, d_qk] rows `[c_kv; k_pe]`, indices: [s, k] into `latents` (-1 = skip),
-    returns (out [s, h, v_dim] = softmax(q.latent * scale) @ c_kv, lse [s, h] in float32 or wider).
-    A query with no valid index gets out = 0 and lse = -inf (it merges as an empty partial).
-    """
+def _sparse_mla_attention_autograd(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
+                                   scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-autograd formula of `sparse_mla_attention` (the previous reference, kept to test
+    the blocked one against). Under autograd it saves the gathered rows [s, k, d_qk], the logits
+    and probabilities [s, h, k] of every query row, and its backward forms a gradient of latents'
+    full shape through the gather: do not use it where memory matters."""
     valid = indices >= 0
     rows = latents[indices.clamp(min=0)]                      # [s, k, d_qk]
     logits = torch.einsum("shd,skd->shk", query, rows) * scale
@@ -194,6 +191,138 @@ def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: to
     probs = probs.masked_fill(~valid[:, None, :], 0.0).to(rows.dtype)
     out = torch.einsum("shk,skr->shr", probs, rows[..., :v_dim])
     return out, lse
+
+
+def _block_probs(query, latents, indices, scale, lse=None):
+    """One query block, recomputed: query [b, h, d_qk] in the accumulation dtype, indices [b, k]
+    -> (rows [b, k, d_qk] gathered in that dtype, p [b, h, k], lse [b, h]). p = exp(logit - lse)
+    with logit = q.row * scale (0 where the index is -1; a row of only -1 gets lse -inf, p 0);
+    `lse` given (the backward): that one, else computed. The logits become p in place."""
+    rows = latents[indices.clamp(min=0)].to(query.dtype)
+    logits = torch.bmm(query, rows.transpose(1, 2)).mul_(scale)
+    logits.masked_fill_((indices < 0)[:, None, :], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    # lse_merge_weights(logits, lse), in place: exp(logit - lse), an empty row shifted by 0.
+    return rows, logits.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_(), lse
+
+
+class _SparseMLAAttention(torch.autograd.Function):
+    """`sparse_mla_attention` walked over query rows in blocks, with a backward that recomputes
+    each block's gathered rows and probabilities (flash-attention style).
+
+    Saved for backward: query [s, h, d_qk], latents [t, d_qk] (references to the inputs, no
+    copies), indices [s, k] (`sparse_mla_attention` hands them over as int32 when autograd
+    records the call and t fits), out [s, h, v_dim] and lse [s, h]: no [s, k, d_qk] gathered
+    rows, no [s, h, k] logits. Scratch, in `acc` (float32 or wider): one query block's rows
+    [query_block, k, d_qk] and its probabilities [query_block, h, k] (forward); in the backward
+    also the block's logit cotangents [query_block, h, k] and row cotangents [query_block, k,
+    d_qk], added (index_add_) into one buffer of latents' shape, formed only when latents needs a
+    gradient.
+
+    Results equal the plain formula (`_sparse_mla_attention_autograd`) up to summation order:
+    each query row's softmax reads only its own k rows, so blocking the rows changes nothing, and
+    the backward is the softmax gradient written out: with p = exp(logit - lse), g the cotangent
+    of out and g_lse that of lse, d logit = p * (g . v_j - (g . out - g_lse)).
+    """
+
+    @staticmethod
+    def forward(ctx, query, latents, indices, scale: float, v_dim: int, query_block: int,
+                latent_grads=None):
+        acc = torch.promote_types(torch.promote_types(query.dtype, latents.dtype), torch.float32)
+        num_queries, num_heads = query.shape[:2]
+        out = torch.empty(num_queries, num_heads, v_dim, dtype=latents.dtype, device=query.device)
+        lse = torch.empty(num_queries, num_heads, dtype=acc, device=query.device)
+        for start in range(0, num_queries, query_block):
+            end = min(start + query_block, num_queries)
+            rows, probs, lse[start:end] = _block_probs(query[start:end].to(acc), latents,
+                                                       indices[start:end], scale)
+            if out.dtype == acc:
+                torch.bmm(probs, rows[..., :v_dim], out=out[start:end])
+            else:
+                out[start:end] = torch.bmm(probs, rows[..., :v_dim])
+        ctx.save_for_backward(query, latents, indices, out, lse)
+        ctx.scale, ctx.v_dim, ctx.query_block = scale, v_dim, query_block
+        ctx.latent_grads = latent_grads
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, latents, indices, out, lse = ctx.saved_tensors
+        need_query, need_latents = ctx.needs_input_grad[:2]
+        sink = ctx.latent_grads
+        acc, scale, v_dim = lse.dtype, ctx.scale, ctx.v_dim
+        grad_query = torch.empty(query.shape, dtype=acc, device=query.device) if need_query else None
+        grad_latents = (torch.zeros(latents.shape, dtype=acc, device=latents.device)
+                        if need_latents else None)
+        for start in range(0, query.shape[0], ctx.query_block):
+            end = min(start + ctx.query_block, query.shape[0])
+            block_idx = indices[start:end]
+            q_blk = query[start:end].to(acc)
+            g_out = grad_out[start:end].to(acc)
+            # d lse / d logit = p, so the lse cotangent enters like -delta (flash backward); an
+            # empty row (lse -inf) has p = 0 and takes none of it.
+            delta = (g_out * out[start:end].to(acc)).sum(-1)               # [b, h]
+            if grad_lse is not None:
+                delta = delta - grad_lse[start:end].to(acc).nan_to_num(0.0)
+            rows, probs, _ = _block_probs(q_blk, latents, block_idx, scale, lse[start:end])
+            grad_logits = torch.bmm(g_out, rows[..., :v_dim].transpose(1, 2))  # [b, h, k]
+            grad_logits.sub_(delta[..., None]).mul_(probs)
+            if need_query:
+                torch.bmm(grad_logits, rows, out=grad_query[start:end]).mul_(scale)
+            if need_latents or sink is not None:
+                grad_rows = torch.bmm(grad_logits.transpose(1, 2), q_blk).mul_(scale)
+                grad_rows[..., :v_dim] += torch.bmm(probs.transpose(1, 2), g_out)
+                # Skipped entries (-1) carry zero cotangent (p = 0): adding them at row 0 is a no-op.
+                row_idx, grad_rows = block_idx.clamp(min=0).flatten(), grad_rows.flatten(0, 1)
+                if sink is not None:
+                    sink(row_idx, grad_rows)
+                else:
+                    grad_latents.index_add_(0, row_idx, grad_rows)
+        return (None if grad_query is None else grad_query.to(query.dtype),
+                None if grad_latents is None else grad_latents.to(latents.dtype),
+                None, None, None, None, None)
+
+
+SPARSE_QUERY_BLOCK = 256
+"""`sparse_mla_attention`'s default query block: its scratch is [256, k, d_qk] rows and [256, h, k]
+scores (float32 or wider), at most, whatever the caller's block (the planner charges it)."""
+
+
+def sparse_mla_attention(query: torch.Tensor, latents: torch.Tensor, indices: torch.Tensor,
+                         scale: float, v_dim: int, query_block: int = SPARSE_QUERY_BLOCK
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA attention over selected latent rows (the FlashMLA sparse-prefill contract).
+
+    query: [s, h, d_qk] (d_qk = kv_lora_rank + rope dim; the nope part already absorbed W_UK),
+    latents: [t, d_qk] rows `[c_kv; k_pe]`, indices: [s, k] into `latents` (-1 = skip),
+    returns (out [s, h, v_dim] = softmax(q.latent * scale) @ c_kv in latents' dtype, lse [s, h] in
+    float32 or wider), both differentiable w.r.t. query and latents. A query with no valid index
+    gets out = 0 and lse = -inf (it merges as an empty partial).
+
+    Computed `query_block` query rows at a time in float32 or wider (`_SparseMLAAttention`):
+    under autograd it saves query, latents, indices, out and lse, never the gathered rows, so a
+    replay's saved bytes grow with s x h x d, not with s x k x d_qk.
+    """
+    recorded = torch.is_grad_enabled() and (query.requires_grad or latents.requires_grad)
+    if recorded and latents.shape[0] <= torch.iinfo(torch.int32).max:
+        indices = indices.to(torch.int32)          # saved for backward: half the bytes of int64
+    return _SparseMLAAttention.apply(query, latents, indices, scale, v_dim, query_block)
+
+
+def sparse_mla_attention_to_sink(query: torch.Tensor, latents: torch.Tensor,
+                                 indices: torch.Tensor, scale: float, v_dim: int, latent_grads,
+                                 query_block: int = SPARSE_QUERY_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla_attention` over latent rows held outside the graph (e.g. a layer's prompt
+    pages, constant here), whose cotangents go to `latent_grads(row_idx [n], grad_rows [n, d_qk])`
+    one query block at a time (rows may repeat: the sink adds with index_add_), so no gradient
+    buffer of latents' shape is formed and no selected rows are kept for backward (the exact
+    prompt gradient's page buffers: `models/partials.PageRows`). query [s, h, d_qk] must be the
+    differentiable input. -> (out [s, h, v_dim], lse [s, h])"""
+    if latents.shape[0] <= torch.iinfo(torch.int32).max:
+        indices = indices.to(torch.int32)
+    return _SparseMLAAttention.apply(query, latents.detach(), indices, scale, v_dim, query_block,
+                                     latent_grads)
 
 
 def lse_merge_weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

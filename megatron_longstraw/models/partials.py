@@ -11,7 +11,9 @@ buffer of its own size (docs/design.md section 7).
 
 With the exact prompt gradient the prompt's rows need cotangents too, and they go to the pages'
 buffers (`PageStore.keep_grads`) without a buffer of the prompt's size on the way: a `PageRows`
-part (sparse attention) hands autograd only the rows its selection reads, and a `PageKeys` part
+part (sparse attention) sends each query block's row cotangents to the buffer from the reference's
+backward (`refs.sparse_mla_attention_to_sink`; a GPU backend gets only the rows its selection
+reads, as one gathered differentiable tensor), and a `PageKeys` part
 (dense attention) is attended by `refs.streamed_attention`, whose backward adds each key window's
 cotangents to the buffers as it goes.
 """
@@ -46,6 +48,19 @@ class PageRows:
         if used is None:                                              # nothing selected here
             return self.rows[:1], local
         return self.store.differentiable(self.rows[used], self.layer, self.kind, rows=used), remapped
+
+    def add_grads(self, row_idx: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """Cotangents of rows `row_idx` [n] (repeats add up) into the page's buffer."""
+        self.store.add_grad(self.layer, self.kind, grad_rows, rows=row_idx)
+
+    def streams_grads(self, query: torch.Tensor) -> bool:
+        """Whether this part's cotangents go straight to the page's buffer from the reference's
+        backward (`refs.sparse_mla_attention_to_sink`): the exact prompt gradient, a recorded call
+        on the reference `sparse_mla_grad` backend. There the selected rows are neither gathered
+        into a tensor of their own nor kept for backward (the backward gathers each query
+        block's rows again); other backends take `selected`'s compact rows."""
+        return (self.store is not None and torch.is_grad_enabled() and query.requires_grad
+                and select.kernels().choices.get("sparse_mla_grad", "ref") == "ref")
 
 
 def compact_selection(selection: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -169,6 +184,12 @@ def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torc
         local = indices - first
         local = torch.where((indices >= first) & (local < held.shape[0]), local, -1)
         first += held.shape[0]
+        if isinstance(part, PageRows) and part.streams_grads(query):
+            out, lse = refs.sparse_mla_attention_to_sink(query, held, local, scale, v_dim,
+                                                         part.add_grads)
+            outs.append(out)
+            lses.append(lse)
+            continue
         rows, local = part.selected(local) if isinstance(part, PageRows) else (part, local)
         if rows.shape[0] < local.shape[1]:
             # A part of fewer rows than the selection is wide (the branch's own rows): at most

@@ -5,6 +5,7 @@ parameters, index-key pages, scores and top-k selections) and the sparse attenti
 
 from __future__ import annotations
 
+from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved, outside_layers_saved,
     rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
@@ -39,7 +40,7 @@ def glm52_pages(cfg, latent_bytes: float, index_key_bytes: float) -> list[PageKi
 
 
 def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, router_bytes: float = 4,
-                       acc: float | None = None) -> dict[str, float]:
+                       acc: float | None = None, query_block: int | None = None) -> dict[str, float]:
     """Bytes autograd saves while one member's branch is replayed, as SavedTensorMeter counts them
     (one count per saved reference; views of one storage count once each).
 
@@ -56,21 +57,24 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     q = rows * cp                                      # attention query rows (gathered under CP)
     k = min(cfg.index_topk, prefix_len + q)            # selection width
 
-    def core(width):   # refs.sparse_mla_attention over one part's `width` selected rows
-        return (8 * q * width                          # the part's key index (int64)
-                + q * width * d_qk * b + q * H * d_qk * b   # gathered latent rows, absorbed queries
-                + 2 * q * width                        # validity masks (bool)
-                + 2 * q * H * width * acc + q * H * width * b + 2 * q * H * acc  # lse / exp / probs
-                + q * width * kvr * b)                 # value rows c_kv (second einsum)
+    calls = -(-q // min(query_block or q, q)) if q else 0   # sparse core calls per part
+    sparse_block = min(q, query_block or q, refs.SPARSE_QUERY_BLOCK)
+
+    def core(width, key_rows):   # refs.sparse_mla_attention over one part's `width` selected rows
+        return (4 * q * width                          # the part's key index (int32)
+                + q * H * d_qk * b                     # absorbed queries
+                + calls * key_rows * d_qk * b          # the part's latent rows (a reference a call)
+                + q * H * (kvr * b + acc))             # out and lse
 
     # Two parts (models/partials.py): the prompt's pages (this rank's shard) at the selection's
     # width, the branch's own q rows at most q wide; their log-sum-exp merge saves both partial
     # outputs and lses and the merged ones.
-    prefix_width = min(k, local_prompt_rows(prefix_len + 1, cp))
+    prefix_rows = local_prompt_rows(prefix_len + 1, cp)
+    prefix_width = min(k, prefix_rows)
     own_width = min(k, q)
     attention = (
         mla_outer_saved(cfg, c, b)
-        + core(prefix_width) + core(own_width)
+        + core(prefix_width, prefix_rows) + core(own_width, q)
         + 3 * q * H * (kvr * b + acc)                  # the merge
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
     )
@@ -80,10 +84,10 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     # the router's sigmoid / top-k scratch: two [c, E] and one [c] (measured)
     dense, moe = ffn_saved(cfg, c, b, router_bytes, 2 * c * E * router_bytes + c * router_bytes)
     routed = c * cfg.num_experts_per_tok               # (token, expert) pairs
-    # Saved references that are views of another saved tensor (counted by the meter, not by the
-    # allocator): the value rows (a slice of the latent rows), the expanded scatter index, and the
-    # log-probs saved a second time by gather.
-    attention_views = q * (prefix_width + own_width) * kvr * b
+    # Saved references the meter counts that are no bytes of their own on a device: the sparse
+    # core's latent rows (the page window, charged by replay's page-window line; the branch's own
+    # rows once), the expanded scatter index, and the log-probs saved a second time by gather.
+    attention_views = calls * prefix_rows * d_qk * b + (calls - 1) * q * d_qk * b
     moe_views = routed * h * 8 - routed * 8
     layers = [attention + (moe if cfg.is_moe_layer(i) else dense)
               for i in range(cfg.num_hidden_layers)]
@@ -94,8 +98,10 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
             "layer_working_set_device": max(layers_device),
             "attention_working_set": attention, "head": head, "head_device": head - c * V * acc,
             "loss": loss,
-            "largest_saved_tensor": max(q * k * d_qk * b, q * H * kvr * acc if cp > 1 else 0,
-                                        c * V * acc),
+            # The sparse core's backward: the own rows' gradient and one block's rows, their
+            # gradient and two score tensors (refs.sparse_mla_attention); saves no gathered rows.
+            "largest_saved_tensor": max(q * d_qk * acc + sparse_block * (2 * k * d_qk + 2 * H * k)
+                                        * acc, q * H * kvr * acc if cp > 1 else 0, c * V * acc),
             "checkpointed": embed + inputs + head + loss,
             "uncheckpointed": embed + sum(layers) + head + loss}
 
@@ -117,7 +123,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     index_read = di * spec.latent_bytes if fp8_keys else index_row
     wide = max(4.0, spec.latent_bytes)
     dequant = lambda rows: 2 * min(rows, spec.page_tokens) * di * wide if fp8_keys else 0
-    saved = glm52_replay_saved(cfg, rows, cp, total, b, acc=acc)
+    saved = glm52_replay_saved(cfg, rows, cp, total, b, acc=acc, query_block=spec.query_block)
     indexer_block = lambda queries: (queries * hi * spec.key_block * acc + queries * spec.key_block * acc
                                      + 2 * queries * (topk + min(topk, spec.key_block)) * (acc + 8))
 
@@ -201,7 +207,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
         Item("replay LM head + loss (before the layers' backward)",
              saved["head_device"] + saved["loss"], measured=True, group="graph"),
         # The pages are a constant part (models/partials.py): no gradient buffer spans them.
-        Item("replay backward transient (gradient of the largest saved tensor)",
+        Item("replay backward transient (the sparse core's backward block, or the largest gradient)",
              saved["largest_saved_tensor"], measured=True),
     ]
     # Every capture, scoring and replay line is checked against the live-bytes meter, summed per
