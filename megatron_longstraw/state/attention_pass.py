@@ -48,8 +48,9 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              input, handed to `emitted`; nothing is attended (the second half of a block of the
              blockwise prompt backward).
 - `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
-             mixer appends a row's state to its member's branch cache and attends the member's
-             query over the prompt's pages plus that cache (no autograd).
+             mixer appends a row's state to its member's branch pages and attends the member's
+             query over the prompt's pages plus those, a key window or a selection at a time
+             (no autograd).
 """
 
 from __future__ import annotations
