@@ -183,7 +183,9 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
         raise ValueError(f"num_members={num_members}: generate at least one response.")
     device = next(model.parameters()).device
     groups = decoder_groups(model)
-    cache = DecodeCache(page_tokens=cfg.page_tokens,
+    # Branch pages no longer than a response can fill (a page is allocated whole: a member's
+    # first row would otherwise take page_tokens rows per layer and kind).
+    cache = DecodeCache(page_tokens=min(cfg.page_tokens, params.max_new_tokens),
                         storage_device="cpu" if cfg.offload_pages else device)
     active = list(range(num_members))
     last = [captured.last_token] * num_members
