@@ -136,3 +136,79 @@ def test_decode_under_cp_and_ep_equals_one_process(tmp_path, world, cases):
                 worst = max(worst, float((logps - ref.logprobs).abs().max()))
         print(f"{family} CP{cp}/EP{ep}: decode vs one process max |d logp| {worst:.1e}")
         assert worst <= 1e-9
+
+
+# ---- long responses: the generated rows are pages, read a window or a selection at a time ------
+
+def _paged_cfg(members):
+    """Pages of 4 rows and key windows of 5: a response of 13 tokens spans 4 pages and 3 windows,
+    and a window straddles the prompt's last rows and the first generated ones."""
+    return LongStrawConfig(group_size=members, query_block=7, key_block=5, token_block=19,
+                           page_tokens=4, max_response_len=64)
+
+
+@pytest.mark.parametrize("family,prompt_len", [("glm52", 30), ("qwen36", 22), ("deepseekv3", 22)])
+def test_a_response_over_several_pages_and_key_windows_decodes_as_scoring(family, prompt_len):
+    """fp64, <= 1e-9 as above: the members' generated rows, appended to their pages one per step
+    and read back a key window (dense attention, DSA's top-k) or a selection (MLA's latent rows)
+    at a time, give scoring's log-probs. GLM-5.2's top-k (16) is below the 43 keys of the last
+    step, so its selections are sparse over the prompt's and the generated rows."""
+    cfg, model = _build(family)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(5))
+    ls = _paged_cfg(2)
+    captured = capture_prompt(model, prompt, ls)
+    outs = generate(model, captured, 2, SamplingParams(max_new_tokens=13, seed=11), ls)
+    worst = 0.0
+    for out in outs:
+        assert out.token_ids.numel() == 13
+        scored, _ = score_member(model, captured, out.token_ids, ls)
+        worst = max(worst, float((scored.double() - out.logprobs).abs().max()))
+    print(f"{family} P={prompt_len}, 13 tokens over pages of 4: max |d logp| {worst:.1e}")
+    assert worst <= 1e-9
+
+
+@pytest.mark.parametrize("family", ["glm52", "qwen36"])
+def test_decode_device_bytes_do_not_grow_with_the_tokens_generated(family):
+    """Live bytes on the device (CPU meter, host storage left out: `memory.note_host` names the
+    pages, the members' branch pages included; `PageStore.device_copies`: prompt reads copy, as
+    to a device) at their peak over a whole generation of N = 8 and of 4N = 32 tokens (two
+    members, pages of 4 rows, key windows of 4), so the late steps of the long one and everything
+    held between steps are in it. A step reads one key window of a layer's rows (dense
+    attention, DSA's top-k) and one selection of at most top-k latent rows (MLA), whatever the
+    tokens generated; so the peaks may differ by less than one key window of one layer's rows of
+    every kind (the bound). A cache of the members' generated rows on the device (the previous
+    `DecodeCache`: buffers of max_new_tokens rows per member, layer and kind) grows by
+    3N x members x (row bytes over layers and kinds), far above the bound (asserted too)."""
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
+    from megatron_longstraw.state.pages import PageStore
+
+    cfg, model = _build(family)
+    prompt = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(6))
+    ls = LongStrawConfig(group_size=2, query_block=8, key_block=4, token_block=32, page_tokens=4,
+                         max_response_len=64)
+    captured = capture_prompt(model, prompt, ls)
+    pages, fixed = captured.pages, set(captured.pages.fixed_kinds())
+    row_bytes = pages.bytes_per_token()           # one token's rows over every layer and kind
+    layer_row_bytes = max(sum(pages.nbytes(layer, kind) for kind in pages.kinds(layer)
+                              if kind not in fixed)
+                          for layer in pages.layers()) // captured.prefix_len
+    num_new = 8
+    peaks = []
+    PageStore.device_copies = True
+    try:
+        for tokens in (num_new, 4 * num_new):
+            with LiveBytesMeter("cpu", exclude_host=True) as meter:
+                outs = generate(model, captured, 2, SamplingParams(max_new_tokens=tokens, seed=7),
+                                ls)
+            assert all(out.token_ids.numel() == tokens for out in outs)
+            peaks.append(meter.peak_bytes)
+    finally:
+        PageStore.device_copies = False
+    bound = ls.key_block * layer_row_bytes      # one key window of one layer, every kind
+    device_cache_growth = 3 * num_new * 2 * row_bytes
+    print(f"{family}: peak live bytes {peaks[0]} ({num_new} tokens) vs {peaks[1]} "
+          f"({4 * num_new}); bound on the growth {bound} B; a device cache would grow by "
+          f"{device_cache_growth:.0f} B")
+    assert device_cache_growth > 10 * bound
+    assert peaks[1] - peaks[0] < bound

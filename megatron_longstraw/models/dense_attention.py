@@ -7,8 +7,9 @@ log-sum-exp), and keep per-token key rows as their pages: Qwen3.6 its K and V af
 DeepSeek-V3 its MLA latent rows (keys the whole rows, values their c_kv part: MQA). So every mode
 is the same algorithm over "this layer's key rows": capture writes them and attends the rows so far
 (`StateAwareMixer.causal_in_order`, or a block over `capture_keys`' windows when streamed); replay
-and decode attend over the prompt's pages (`_page_keys`) plus the branch's own rows, two parts
-merged by log-sum-exp (`models/partials.py`); the exact prompt gradient streams the pages
+attends over the prompt's pages (`_page_keys`) plus the branch's own rows, two parts merged by
+log-sum-exp (`models/partials.py`); decode over the prompt's pages and the member's generated rows
+(its branch pages), one key window at a time (`_decode_part`); the exact prompt gradient streams the pages
 (`partials.PageKeys`); under CP the `*_sharded` modes call `models/context_parallel.py`
 (`attend_branch`, `merge_replicated`, the differentiable prompt gather).
 
@@ -161,34 +162,29 @@ class DenseStateAttention(StateAwareMixer):
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
         """One new token per member (row i: member `state.decode.members[i]`): its key rows join
-        the member's branch cache; its query attends over the prompt's pages plus that cache."""
+        the member's branch pages; its query attends over the prompt's pages and the member's
+        generated rows, one key window at a time (`_decode_part`)."""
         rows, queries, gate = self._project(x, state.positions)
         outputs = []
         for row in range(x.shape[0]):
-            own, positions = self._decode_rows(state, row, rows)
-            parts = [self._key_part(own, positions)]
-            if state.prefix_len > 0:
-                parts.insert(0, self._page_keys(state, x.device, rows[0].dtype,
-                                                partials.prompt_key_positions(state.prefix_len,
-                                                                              x.device)))
-            outputs.append(self._attend(queries[row:row + 1], parts,
+            part = self._decode_part(self._decode_rows(state, row, rows), x.device, rows[0].dtype)
+            outputs.append(self._attend(queries[row:row + 1], [part],
                                         state.positions[row:row + 1], state))
         return self._output(torch.cat(outputs), gate)
 
     def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
         """`forward_decode` with the prompt's pages sharded over CP (every rank runs the same rows;
-        the members' caches are the same on every rank): each rank attends over its shard (rank
-        0 also over the member's cache), and the partial outputs merge by log-sum-exp
-        (`context_parallel.merge_replicated`)."""
+        the members' branch pages are the same on every rank): each rank attends over its shard
+        (rank 0 also over the member's generated rows), one key window at a time, and the partial
+        outputs merge by log-sum-exp (`context_parallel.merge_replicated`)."""
         rows, queries, gate = self._project(x, state.positions)
+        here = context_parallel.branch_keys_counted_here(state)
         outputs = []
         for row in range(x.shape[0]):
-            own, positions = self._decode_rows(state, row, rows)
-            parts = [self._page_keys(state, x.device, rows[0].dtype, state.cp.prefix_positions)]
-            if context_parallel.branch_keys_counted_here(state):
-                parts.append(self._key_part(own, positions))
-            out, lse = self._attend(queries[row:row + 1], parts, state.positions[row:row + 1],
-                                    state, return_lse=True)
+            keys = self._decode_rows(state, row, rows, branch_here=here)
+            out, lse = self._attend(queries[row:row + 1],
+                                    [self._decode_part(keys, x.device, rows[0].dtype)],
+                                    state.positions[row:row + 1], state, return_lse=True)
             outputs.append(context_parallel.merge_replicated(out, lse, state))
         return self._output(torch.cat(outputs), gate)
 
@@ -234,12 +230,26 @@ class DenseStateAttention(StateAwareMixer):
         for kind, kind_rows in zip(self.page_kinds, rows):
             self.write_rows(state, kind, kind_rows)
 
-    def _decode_rows(self, state: AttentionPass, row: int, rows):
-        """`decode`: row `row`'s new key rows (one tensor per kind) appended to its member's cache
-        -> (its cached rows per kind, their global positions)."""
-        cached = [self.decode_rows(state, row, kind, kind_rows[row:row + 1])
-                  for kind, kind_rows in zip(self.page_kinds, rows)]
-        return tuple(kind_rows for kind_rows, _ in cached), cached[0][1]
+    def _decode_rows(self, state: AttentionPass, row: int, rows, branch_here: bool = True):
+        """`decode`: row `row`'s new key rows (one tensor per kind) appended to its member's
+        branch pages -> the keys its query reads (`StateAwareMixer.decode_rows`)."""
+        return self.decode_rows(state, row, {kind: kind_rows[row:row + 1]
+                                             for kind, kind_rows in zip(self.page_kinds, rows)},
+                                branch_here)
+
+    def _decode_part(self, keys, device, dtype) -> partials.PageWindows:
+        """A decode query's keys (`decode.DecodeKeys`) as one dense part read one key window at a
+        time (`partials.PageWindows`: a window of rows of every kind on the device, never all of
+        them). The part numbers its rows 0, 1, ..: their global positions on one process; under
+        CP (a shard, then the generated rows) not, but the causal mask is all a position does
+        here, and every row is visible to the member's query (num_rows <= its position + 1) with
+        either numbering."""
+
+        def read(start, end):
+            return self._keys_values(tuple(keys.window(kind, start, end, device, dtype)
+                                           for kind in self.page_kinds))
+
+        return partials.PageWindows(read, keys.num_rows, *self._key_value_dims())
 
     def _attend(self, queries: torch.Tensor, key_parts, q_positions: torch.Tensor,
                 state: AttentionPass, return_lse: bool = False):

@@ -133,14 +133,15 @@ class StateAwareMixer:
         return lambda start, end, grad: state.pages.add_grad(self.layer_idx, kind, grad,
                                                              slice(start, end))
 
-    def decode_rows(self, state: AttentionPass, row: int, kind: str,
-                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode`: append row `row`'s new `rows` [1, ...] of `kind` to its member's branch
-        cache -> (all its rows so far [n, ...], their global positions [n])."""
-        cached = state.decode.append(row, self.layer_idx, kind, rows)
-        positions = torch.arange(state.prefix_len, state.prefix_len + cached.shape[0],
-                                 device=cached.device)
-        return cached, positions
+    def decode_rows(self, state: AttentionPass, row: int, new_rows: dict[str, torch.Tensor],
+                    branch_here: bool = True):
+        """`decode`: append row `row`'s new rows ({kind: [1, ...]}) to its member's branch pages
+        -> this layer's keys for its query (`decode.DecodeKeys`: the prompt's pages, then, with
+        `branch_here`, the member's generated rows, on one row axis), read a key window or a
+        selection at a time, so that no device tensor grows with the tokens generated."""
+        for kind, rows in new_rows.items():
+            state.decode.append(row, self.layer_idx, kind, rows)
+        return state.decode.keys(row, self.layer_idx, state, branch_here)
 
     def earlier_pass(self, state: AttentionPass) -> AttentionPass | None:
         """A blockwise branch pass (`state.branch`): the member's earlier blocks as a pass whose

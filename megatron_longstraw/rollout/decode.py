@@ -7,20 +7,25 @@ responses from them, so one prompt pass serves rollout and training:
     capture(prompt)                              (or reuse the step's capture)
     step t = 0, 1, ..: the G members' last tokens, one row each, run through the model together
         token-wise work (projections, norms, FFN / MoE, the head) batched over the members;
-        each mixer appends the row's state to its member's branch cache (`DecodeCache`) and the
-        member's query attends over the prompt's pages plus its own cached rows (DSA: top-k over
+        each mixer appends the row's state to its member's branch pages (`DecodeCache`) and the
+        member's query attends over the prompt's pages plus its own generated rows (DSA: top-k over
         the prompt's and the generated tokens' index keys; GDN: continues its member's state)
     sample each member's next token (temperature, top-k, top-p; one generator per member, seeded from `seed`)
 
-No autograd; the prompt is never copied: pages are read as scoring reads them, and what grows is
-each member's cache of its generated rows ([max_new_tokens, ...] per layer and kind, allocated
-once). The log-probs returned are the model's (temperature 1, no truncation: what scoring
-computes for the same tokens, `tests/test_decode.py`); the sampling distribution's are returned
-beside them (what an engine reports when it samples with a temperature).
+No autograd; the prompt is never copied. Each member's generated rows are pages too (one
+`PageStore` per member, in host memory when pages are offloaded), appended one row per step, and
+a step reads its keys as streamed capture does: dense attention one key window at a time, DSA's
+top-k over the index keys one key window at a time and MLA over only the selected latent rows
+(`DecodeKeys`: the prompt's pages and the member's generated rows on one row axis). So a step's
+device memory is a window and a selection per layer, not the tokens generated so far
+(`tests/test_decode.py` measures it). The log-probs returned are the model's (temperature 1, no
+truncation: what scoring computes for the same tokens, `tests/test_decode.py`); the sampling
+distribution's are returned beside them (what an engine reports when it samples with a
+temperature).
 
 Under context parallelism every rank of the CP group runs the same rows (the G members' tokens)
 and keeps the same branch caches; its pages are its prompt shard. Attention attends each query
-over this rank's shard (rank 0 also over the member's cache) and merges the ranks' partial
+over this rank's shard (rank 0 also over the member's generated rows) and merges the ranks' partial
 outputs by log-sum-exp (`context_parallel.merge_replicated`, rank order on every rank: the same
 bits everywhere); DSA merges every rank's top-k candidates (`collectives.merge_topk_candidates`);
 GDN runs this rank's heads from its pages' state and gathers the heads' outputs; MoE dispatches
@@ -46,6 +51,7 @@ from megatron_longstraw.models.common import (
     run_group,
 )
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
+from megatron_longstraw.state.pages import LayerRows, PageStore
 
 
 @dataclass
@@ -64,33 +70,110 @@ class Generation:
 
 @dataclass
 class DecodeCache:
-    """Each member's branch-local state, per (layer, kind): the rows its generated tokens wrote
-    (in buffers of `capacity` rows, filled in order), or a carried state (GDN). `members` are
-    the members whose rows the current step runs, in row order."""
+    """Each member's branch-local state, per (layer, kind): the rows its generated tokens wrote,
+    appended one per step to the member's own `PageStore` (pages of `page_tokens` rows on
+    `storage_device`: host memory when pages are offloaded, as capture's), or a carried state
+    (GDN: fixed size, kept as it is). `members` are the members whose rows the current step
+    runs, in row order. Nothing here grows on the device with the tokens generated: a step reads
+    the rows back a key window or a selection at a time (`keys`)."""
 
-    capacity: int
+    page_tokens: int
+    storage_device: torch.device | str = "cpu"
     members: list[int] = field(default_factory=list)
-    _rows: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
-    _count: dict[tuple[int, int, str], int] = field(default_factory=dict)
+    _pages: dict[int, PageStore] = field(default_factory=dict)
     _carried: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
 
-    def append(self, row: int, layer: int, kind: str, rows: torch.Tensor) -> torch.Tensor:
-        """Append the current step's `rows` [1, ...] to the member of row `row`; -> all its rows
-        of (layer, kind) so far [n, ...] (a view of its buffer)."""
-        key = (self.members[row], layer, kind)
-        buffer = self._rows.get(key)
-        if buffer is None:
-            buffer = self._rows[key] = rows.new_empty((self.capacity, *rows.shape[1:]))
-        count = self._count.get(key, 0)
-        buffer[count:count + rows.shape[0]] = rows
-        self._count[key] = count + rows.shape[0]
-        return buffer[:count + rows.shape[0]]
+    def append(self, row: int, layer: int, kind: str, rows: torch.Tensor) -> None:
+        """Append the current step's `rows` [1, ...] of (layer, kind) to the pages of the member
+        of row `row`."""
+        member = self.members[row]
+        store = self._pages.get(member)
+        if store is None:
+            store = self._pages[member] = PageStore(page_tokens=self.page_tokens,
+                                                    storage_device=self.storage_device)
+        store.append(layer, kind, rows)
+
+    def keys(self, row: int, layer: int, state: AttentionPass,
+             branch_here: bool = True) -> DecodeKeys:
+        """The key rows of `layer` the query of row `row` reads (`DecodeKeys`): this process's
+        prompt pages, then, with `branch_here`, its member's generated rows (the current step's
+        appended already)."""
+        branch = self._pages[self.members[row]]
+        prompt = LayerRows(state.pages, layer) if state.pages is not None and \
+            layer in state.pages.layers() else None
+        positions = state.cp.prefix_positions
+        return DecodeKeys(prompt=prompt,
+                          prompt_positions=positions if prompt is not None
+                          else torch.empty(0, dtype=torch.long, device=state.positions.device),
+                          branch=LayerRows(branch, layer),
+                          num_generated=branch.num_tokens(layer, branch.kinds(layer)[0]),
+                          prefix_len=state.prefix_len, branch_here=branch_here)
 
     def carried(self, row: int, layer: int, kind: str) -> torch.Tensor | None:
         return self._carried.get((self.members[row], layer, kind))
 
     def carry(self, row: int, layer: int, kind: str, tensor: torch.Tensor) -> None:
         self._carried[(self.members[row], layer, kind)] = tensor
+
+
+@dataclass(frozen=True)
+class DecodeKeys:
+    """One member's key rows of one layer in a decode step, on one row axis: this process's
+    prompt rows (its pages: the whole prompt on one process, where row = position; its shard
+    under CP), then the member's generated rows when `branch_here` (under CP they are counted on
+    one rank). Read a key window (`window`) or a selection (`gather`) at a time, as streamed
+    capture reads `pages.LayerRows`: never all of them on the device."""
+
+    prompt: LayerRows | None
+    """This process's prompt pages of the layer (None: nothing captured)."""
+    prompt_positions: torch.Tensor
+    """[num_prompt_rows] global positions of the prompt rows, ascending."""
+    branch: LayerRows
+    """The member's generated rows of the layer (row i: position prefix_len + i)."""
+    num_generated: int
+    """Rows the member has generated so far, the current step's included."""
+    prefix_len: int
+    branch_here: bool = True
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return self.prompt_positions.numel()
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_prompt_rows + (self.num_generated if self.branch_here else 0)
+
+    def positions(self, index: torch.Tensor) -> torch.Tensor:
+        """Global positions of rows `index` (any shape, >= 0)."""
+        first = self.num_prompt_rows
+        if first == 0:
+            return self.prefix_len + index
+        prompt = self.prompt_positions.to(index.device)[index.clamp(max=first - 1)]
+        return torch.where(index < first, prompt, self.prefix_len + index - first)
+
+    def window(self, kind: str, start: int, end: int, device=None, dtype=None) -> torch.Tensor:
+        """Rows [start, end) of `kind` [end - start, ...] on `device` (in `dtype`)."""
+        first, parts = self.num_prompt_rows, []
+        if start < first:
+            parts.append(self.prompt.window(kind, start, min(end, first), device, dtype))
+        if end > first:
+            parts.append(self.branch.window(kind, max(start, first) - first, end - first,
+                                            device, dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def gather(self, kind: str, index: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
+        """Rows `index` (1-D, any order, < `num_rows`) of `kind` [n, ...] on `device`."""
+        in_prompt = index < self.num_prompt_rows
+        if self.num_prompt_rows and bool(in_prompt.all()):
+            return self.prompt.gather(kind, index, device, dtype)
+        generated = self.branch.gather(kind, index[~in_prompt] - self.num_prompt_rows, device,
+                                       dtype)
+        if not bool(in_prompt.any()):
+            return generated
+        out = generated.new_empty((index.numel(), *generated.shape[1:]))
+        out[in_prompt.to(out.device)] = self.prompt.gather(kind, index[in_prompt], device, dtype)
+        out[~in_prompt.to(out.device)] = generated
+        return out
 
 
 def generate(model, captured: CapturedPrompt, num_members: int, params: SamplingParams,
@@ -100,7 +183,10 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
         raise ValueError(f"num_members={num_members}: generate at least one response.")
     device = next(model.parameters()).device
     groups = decoder_groups(model)
-    cache = DecodeCache(capacity=params.max_new_tokens)
+    # Branch pages no longer than a response can fill (a page is allocated whole: a member's
+    # first row would otherwise take page_tokens rows per layer and kind).
+    cache = DecodeCache(page_tokens=min(cfg.page_tokens, params.max_new_tokens),
+                        storage_device="cpu" if cfg.offload_pages else device)
     active = list(range(num_members))
     last = [captured.last_token] * num_members
     tokens: list[list[int]] = [[] for _ in range(num_members)]

@@ -55,8 +55,9 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              replay.py appends it to `branch.pages` (forward, no autograd) or gives it the
              cotangents later blocks left there (the reverse walk).
 - `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
-             mixer appends a row's state to its member's branch cache and attends the member's
-             query over the prompt's pages plus that cache (no autograd).
+             mixer appends a row's state to its member's branch pages and attends the member's
+             query over the prompt's pages plus those, a key window or a selection at a time
+             (no autograd).
 """
 
 from __future__ import annotations

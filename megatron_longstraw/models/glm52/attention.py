@@ -209,34 +209,32 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
         """One new token per member (row i: member `state.decode.members[i]`): its latent row and
-        index key join the member's branch cache; its query attends over the prompt's pages plus
-        that cache, with a top-k over the prompt's and the generated tokens' index keys (full
-        indexer layers) or its source layer's for the same member (IndexShare)."""
+        index key join the member's branch pages; its query attends as a streamed capture block's
+        do (`forward_capture_block_sharded`) over the prompt's and the member's generated rows
+        (`decode.DecodeKeys`, row = position): a top-k over their index keys one key window at a
+        time (full indexer layers) or its source layer's for the same member (IndexShare), then
+        only the selected latent rows are gathered (`_decode_attend`)."""
         latents, index_keys = self._token_rows(x, state)
         outputs = []
         for row in range(x.shape[0]):
             member = member_pass(state, row)
-            own, own_positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
-            parts, key_index, key_positions = [own], None, None
-            if index_keys is not None:
-                key_index, _ = self.decode_rows(state, row, INDEX_KEY, index_keys[row:row + 1])
-                key_positions = own_positions
-            if state.prefix_len > 0:
-                parts.insert(0, self.page_rows(state, LATENT, x.device, latents.dtype))
-                if key_index is not None:
-                    prefix_index = self.read_page(state, INDEX_KEY, x.device, key_index.dtype,
-                                                  differentiable=False)
-                    key_index = torch.cat([prefix_index, key_index])
-                    key_positions = torch.cat([torch.arange(state.prefix_len, device=x.device),
-                                               own_positions])
-            outputs.append(self._attend(x[row:row + 1], member, parts, key_index, key_positions))
+            keys = self.decode_rows(state, row, self._decode_new_rows(latents, index_keys, row))
+            q_compressed, query = self._queries(x[row:row + 1], member.positions)
+            k = min(self.config.dsa_indexer_topk, keys.num_rows)
+            selection = self._selection(x[row:row + 1], q_compressed, member, 0, 1,
+                                        lambda q_index, w: self._topk_pages(
+                                            q_index, w, keys, member, keys.num_rows,
+                                            member.positions, k))
+            out_latent, _ = self._decode_attend(query, keys, selection, latents.dtype)
+            outputs.append(self._up_project_values(out_latent))
         return self._project_out(torch.cat(outputs))
 
     def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
         """`forward_decode` with the prompt's pages sharded over CP (every rank runs the same
-        rows; the members' caches are the same on every rank): the top-k merges every rank's
-        candidates (its prompt shard, plus the member's generated keys on rank 0), each rank
-        attends over its keys of the selection, and the partial outputs merge by log-sum-exp."""
+        rows; the members' branch pages are the same on every rank): the top-k merges every
+        rank's candidates (`_decode_candidates`: its prompt shard, plus the member's generated
+        keys on rank 0, one key window at a time), each rank attends over the rows of the
+        selection it holds (gathered), and the partial outputs merge by log-sum-exp."""
         cfg = self.config
         core: DSAIndexHolder = self.core_attention
         cp = state.cp
@@ -246,34 +244,64 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         for row in range(x.shape[0]):
             member = member_pass(state, row)
             position = member.positions
-            own, own_positions = self.decode_rows(state, row, LATENT, latents[row:row + 1])
+            keys = self.decode_rows(state, row, self._decode_new_rows(latents, index_keys, row),
+                                    branch_here=here)
             q_compressed, query = self._queries(x[row:row + 1], position)
             if core.indexer is None:
                 selection = member.selections[core.topk_source]
             else:
-                own_index, _ = self.decode_rows(state, row, INDEX_KEY, index_keys[row:row + 1])
                 with torch.no_grad():
                     q_index, weights = self._index_queries(x[row:row + 1], q_compressed, position)
-                    prefix = self.read_page(state, INDEX_KEY, x.device, own_index.dtype,
-                                            differentiable=False)
-                    scores, found = self._shard_topk(q_index, weights, prefix,
-                                                     cp.prefix_positions, position, state)
-                    own_s, own_p = self._shard_topk(q_index, weights, own_index, own_positions,
-                                                    position, state)
-                    if not here:
-                        own_s, own_p = own_s.fill_(float("-inf")), own_p.fill_(-1)
-                    k = min(cfg.dsa_indexer_topk, state.prefix_len + own.shape[0])
-                    selection = collectives.merge_topk_candidates(
-                        torch.cat([scores, own_s], 1), torch.cat([found, own_p], 1), k, cp.layout)
+                    scores, found = self._decode_candidates(q_index, weights, keys, position,
+                                                            state)
+                    k = min(cfg.dsa_indexer_topk, state.prefix_len + keys.num_generated)
+                    selection = collectives.merge_topk_candidates(scores, found, k, cp.layout)
                 member.selections[core.layer_idx] = selection
-            local = context_parallel.local_key_index(selection, cp.prefix_positions,
+            local = context_parallel.local_key_index(selection, keys.prompt_positions,
                                                      state.prefix_len, here)
-            parts = [self.page_rows(state, LATENT, x.device, own.dtype), own]
-            out, lse = partials.sparse_mla(query, parts, local, self.softmax_scale,
-                                           cfg.kv_lora_rank)
+            out, lse = self._decode_attend(query, keys, local, latents.dtype)
             merged = context_parallel.merge_replicated(out, lse, state)
             outputs.append(self._up_project_values(merged))
         return self._project_out(torch.cat(outputs))
+
+    def _decode_candidates(self, q_index, weights, keys, position, state: AttentionPass):
+        """This rank's DSA candidates for a decode query: the top-k over the index keys of `keys`
+        (`decode.DecodeKeys`), read one key window at a time -> (scores [1, topk], global
+        positions [1, topk]), padded with -inf / -1 to the full top-k width, so that every rank
+        contributes the same shape to the candidate exchange."""
+        cfg = self.config
+
+        def read(start, end):
+            rows = torch.arange(start, end, device=q_index.device)
+            return keys.window(INDEX_KEY, start, end, q_index.device), keys.positions(rows)
+
+        idx, scores = refs.indexer_topk_windows(q_index, weights, read, keys.num_rows, position,
+                                                cfg.dsa_indexer_topk,
+                                                scale=cfg.dsa_indexer_head_dim ** -0.5,
+                                                relu=cfg.dsa_indexer_scoring_relu,
+                                                key_block=state.key_block)
+        return scores, torch.where(idx >= 0, keys.positions(idx.clamp(min=0)), -1)
+
+    def _decode_attend(self, query: torch.Tensor, keys, local: torch.Tensor, dtype):
+        """A decode query [1, h, d_qk] over the rows of `keys` (`decode.DecodeKeys`) that `local`
+        [1, k] selects (row indices, -1 = none): only those latent rows are gathered (one
+        selection on the device, never the layer's rows). -> (out [1, h, kv_lora_rank], lse)"""
+        used, local = partials.compact_selection(local)
+        if used is None:        # nothing selected here: one zero row keeps the shapes valid
+            rows = query.new_zeros((1, query.shape[-1]), dtype=dtype)
+        else:
+            rows = keys.gather(LATENT, used, query.device, dtype)
+        return partials.sparse_mla(query, [rows], local, self.softmax_scale,
+                                   self.config.kv_lora_rank)
+
+    @staticmethod
+    def _decode_new_rows(latents: torch.Tensor, index_keys: torch.Tensor | None,
+                         row: int) -> dict[str, torch.Tensor]:
+        """`decode`: row `row`'s new rows by page kind (its index key on full indexer layers)."""
+        rows = {LATENT: latents[row:row + 1]}
+        if index_keys is not None:
+            rows[INDEX_KEY] = index_keys[row:row + 1]
+        return rows
 
     def _attend(self, x: torch.Tensor, state: AttentionPass, key_parts, key_index,
                 key_positions) -> torch.Tensor:
