@@ -394,3 +394,38 @@ def phase_peaks_worker(rank, cases, blocks):
         peaks(model, cfg, 64)                                         # warm-up
         outs.append([peaks(model, cfg, n) for n in lengths])
     return outs
+
+
+def blockwise_worker(rank, cases, lens, settings):
+    """One GRPO group per (case, setting) on CP (x EP) ranks (`cases`: (family, cp, ep, weights
+    path, prompt length); `settings`: LongStrawConfig overrides, e.g. response_block and
+    prompt_grad): per case and setting the finalized gradients by global name, the members'
+    log-probs and the loss (fp64), for the test to compare blockwise with whole-branch runs."""
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
+    from megatron_longstraw.distributed.expert_names import global_name
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.data.group import GRPOGroup
+
+    outs = []
+    for family, cp, ep, state_path, prompt_len in cases:
+        cfg, model, experts = _case_model(family, cp, ep, state_path)
+        gen = torch.Generator().manual_seed(5)
+        group = GRPOGroup(
+            prompt_ids=torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen),
+            response_ids=[torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens],
+            rewards=torch.tensor([1.0, 0.0, 0.25][:len(lens)], dtype=torch.float64))
+        runs = []
+        for overrides in settings:
+            ls = LongStrawConfig(group_size=len(lens), query_block=13, key_block=37,
+                                 token_block=50, max_response_len=128, clip_eps_high=0.28,
+                                 **overrides)
+            model.zero_grad(set_to_none=True)
+            result = forward_backward_longstraw(model, group, ls)
+            finalize_longstraw_grads(model)
+            runs.append({"grads": {global_name(n, experts): p.grad.clone()
+                                   for n, p in model.named_parameters() if p.grad is not None},
+                         "logps": result.logps, "logps_old": result.logps_old,
+                         "loss": result.loss, "stats": result.stats})
+        outs.append(runs)
+    return outs
