@@ -158,9 +158,11 @@ class StateAwareMixer:
     def emit_branch(self, state: AttentionPass, kind: str, tensor: torch.Tensor | None) -> None:
         """A blockwise branch pass: hand the block's `kind` state (this rank's key rows, or the
         carried state at the block's end) to `state.branch.emitted` (replay.py keeps it for the
-        later blocks, or seeds its cotangent). Nothing for a whole branch."""
+        later blocks, or seeds its cotangent). Nothing for a whole branch. The first emission
+        is kept: an activation checkpoint's recompute in backward emits again, and holding the
+        recomputed tensor would hold its layer's recomputed graph until the block ends."""
         if state.branch is not None and tensor is not None:
-            state.branch.emitted[(self.layer_idx, kind)] = tensor
+            state.branch.emitted.setdefault((self.layer_idx, kind), tensor)
 
     def _exact_grad_to_page(self, state: AttentionPass, kind: str) -> bool:
         """The pass is `PromptGrad.EXACT` and the pages keep a cotangent buffer for this layer's

@@ -347,6 +347,8 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                     outputs.append(tensor)
                     cotangents.append(seed.to(tensor.device, tensor.dtype).reshape(tensor.shape))
             torch.autograd.backward(outputs, cotangents)
+            if view is not None:     # the pass is reachable from the graph (a page sink's
+                view.emitted.clear()  # closure): no cycle keeps the block's graph alive
         if kept is not None:
             carried = kept.carried_grads()
         logps[index] = logp.detach()
