@@ -255,3 +255,115 @@ def test_the_merge_backward_equals_autograd_through_the_composite_merge():
     (ref_out, ref_lse), expected = grads(refs.merge_partial_attention)
     assert torch.allclose(out, ref_out, rtol=0, atol=1e-15) and torch.equal(lse, ref_lse)
     assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-14
+
+
+# ---- the response dimension (blockwise branches, replay.py `response_block`) -------------------
+
+R_BLOCK = 16          # a small response block: several blocks per branch
+R_LENGTHS = (32, 128)  # 2 and 8 blocks
+
+
+def _phases_at_response(model, vocab, response_len):
+    gen = torch.Generator().manual_seed(3)
+    group = GRPOGroup(prompt_ids=torch.randint(0, vocab, (P,), generator=gen),
+                      response_ids=[torch.randint(0, vocab, (response_len,), generator=gen)
+                                    for _ in range(2)],
+                      rewards=torch.linspace(0, 1, 2, dtype=torch.float64))
+    ls = LongStrawConfig(group_size=2, max_response_len=response_len, response_block=R_BLOCK,
+                         **BLOCKS)
+    PageStore.device_copies = True
+    try:
+        with LiveBytesMeter("cpu", exclude_host=True) as meter:
+            forward_backward_longstraw(model, group, ls)
+    finally:
+        PageStore.device_copies = False
+    own = {}
+    for phase in meter.phases:
+        own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+    return own
+
+
+def _planned_at_response(family, cfg, response_len) -> dict[str, float]:
+    from megatron_longstraw import planner
+
+    spec = planner.PlanSpec(family=family, model=cfg, prompt_len=P, group_size=2,
+                            response_len=response_len, response_block=R_BLOCK, weight_bytes=4,
+                            act_bytes=4, latent_bytes=4, index_key_bytes=4,
+                            page_tokens=LongStrawConfig().page_tokens, gdn_kernels="torch",
+                            **BLOCKS)
+    plan = planner.plan(spec, search_max=False)
+    return {phase: planner.phase_bytes(plan.phases[phase]) for phase in ("scoring", "replay")}
+
+
+# Where a blockwise run holds more than the plan (measured on the tiny models, fp32, R = 32 and
+# 128 with blocks of 16; ratio = measured / planned). Not planner lines: the code keeps these, and
+# the planner states no bound for them (see the report of issue #30's planner item):
+# - GLM-5.2 replay 1.23-1.31, scoring 1.08-1.21; Qwen3.6 replay 5.0 (a blockwise block hands its
+#   GDN end state to `view.emitted`, so the checkpoint recompute's saved tensors of the last state
+#   update, which backward never reaches on the last block, stay for every layer);
+#   DeepSeek-V3 scoring 1.04 at 8 blocks.
+BLOCKWISE_OVER_PLAN = {("glm52", "scoring"), ("glm52", "replay"), ("qwen36", "replay"),
+                       ("qwen36", "scoring"), ("deepseekv3", "scoring")}
+
+
+@pytest.mark.parametrize("phase", ["scoring", "replay"])
+def test_blockwise_phase_peaks_against_the_planner_at_two_response_lengths(measured, phase):
+    """The planner's scoring and replay lines for a blockwise branch (response_block = 16: 2 and
+    8 blocks) against the meter at two response lengths, the pages copied as to a device: the plan
+    must be an upper bound. Where the code is known to hold more (BLOCKWISE_OVER_PLAN) the check
+    is an expected failure (strict: it fails once the plan bounds the run, so the list is kept
+    honest)."""
+    family, cfg, *_, model = measured
+    _phases_at_response(model, cfg.vocab_size, R_BLOCK)                 # warm-up
+    ratios = []
+    for response_len in R_LENGTHS:
+        own = _phases_at_response(model, cfg.vocab_size, response_len)[phase]
+        planned = _planned_at_response(family, cfg, response_len)[phase]
+        ratios.append(own / planned)
+        print(f"{family} R={response_len} block={R_BLOCK}: {phase} own peak {own} B, planned "
+              f"{planned:.0f} B ({own / planned:.3f})")
+    if (family, phase) in BLOCKWISE_OVER_PLAN:
+        if max(ratios) <= 1.0:
+            pytest.fail(f"{family} {phase}: the plan now bounds the run ({ratios}); drop it from "
+                        "BLOCKWISE_OVER_PLAN")
+        pytest.xfail(f"{family} {phase}: the run holds more than the plan ({ratios})")
+    assert max(ratios) <= 1.0, ratios
+
+
+def test_branch_host_pages_against_the_meter(measured):
+    """The host lines of a blockwise branch (`footprint.branch_host_pages`: the earlier blocks'
+    key rows in whole pages, the carried state, the cotangent buffers) against the meter's host
+    peak: from R = 32 (2 blocks) to R = 128 (8 blocks) the host peak grows by at most what the
+    lines grow (the pages are whole pages of page_tokens rows here: the rows fit one page)."""
+    from megatron_longstraw import planner
+
+    family, cfg, *_, model = measured
+
+    def host(response_len):
+        gen = torch.Generator().manual_seed(3)
+        group = GRPOGroup(prompt_ids=torch.randint(0, cfg.vocab_size, (P,), generator=gen),
+                          response_ids=[torch.randint(0, cfg.vocab_size, (response_len,),
+                                                      generator=gen) for _ in range(2)],
+                          rewards=torch.linspace(0, 1, 2, dtype=torch.float64))
+        ls = LongStrawConfig(group_size=2, max_response_len=response_len, response_block=R_BLOCK,
+                             page_tokens=64, **BLOCKS)
+        with LiveBytesMeter("cpu", exclude_host=True) as meter:
+            forward_backward_longstraw(model, group, ls)
+        spec = planner.PlanSpec(family=family, model=cfg, prompt_len=P, group_size=2,
+                                response_len=response_len, response_block=R_BLOCK, weight_bytes=4,
+                                act_bytes=4, latent_bytes=4, index_key_bytes=4, page_tokens=64,
+                                gdn_kernels="torch", **BLOCKS)
+        items = planner.plan(spec, search_max=False).host_items
+        return meter.host_peak_bytes, sum(i.bytes for i in items if i.name.startswith("branch"))
+
+    (measured_2, planned_2), (measured_8, planned_8) = host(R_LENGTHS[0]), host(R_LENGTHS[1])
+    print(f"{family}: host peak {measured_2} -> {measured_8} B; branch lines {planned_2:.0f} -> "
+          f"{planned_8:.0f} B")
+    assert planned_8 > planned_2 > 0
+    if family == "qwen36":
+        # measured: host growth 805,888 B against 744,448 B of lines (about 10 KiB a block
+        # beyond them, not traced yet): an expected failure, strict
+        if measured_8 - measured_2 <= planned_8 - planned_2:
+            pytest.fail("qwen36: the branch host lines now bound the run; drop this xfail")
+        pytest.xfail("qwen36: the host grows about 10 KiB a block beyond the branch lines")
+    assert measured_8 - measured_2 <= planned_8 - planned_2

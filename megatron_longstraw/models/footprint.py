@@ -61,6 +61,10 @@ class PlanSpec:
     kl: bool = False
     """A reference capture for the KL term doubles the pages."""
     page_tokens: int = 65536
+    response_block: int = 8192
+    """`LongStrawConfig.response_block`: a branch longer than this is scored and replayed block by
+    block (training/replay.py, `branch_blocks`); device lines of scoring and replay are one
+    block's, the earlier blocks' rows live in host pages (`branch_blocks_rows`)."""
     token_block: int = 16384
     query_block: int = 256
     key_block: int = 16384
@@ -84,7 +88,7 @@ class PlanSpec:
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "group_size", "response_len", "cp", "ep", "page_tokens",
-                     "token_block", "query_block", "key_block", "ranks_per_node"):
+                     "response_block", "token_block", "query_block", "key_block", "ranks_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
         if self.gdn_kernels not in ("fla", "torch"):
@@ -256,6 +260,61 @@ def rank_rows(prompt_len: int, cp: int, response_len: int) -> tuple[int, int, in
     return local_prompt_rows(prompt_len, cp), max(prompt_len - 1, 0), rows, rows * cp
 
 
+@dataclass(frozen=True)
+class BranchBlocks:
+    """A member's branch as training/replay.py walks it (`branch_blocks`: blocks of
+    `response_block` rows rounded up to a multiple of CP, each split into CP equal contiguous
+    shares), seen from one rank."""
+
+    num_blocks: int
+    block: int
+    """Padded rows of the largest block, all ranks (the rows attention gathers under CP)."""
+    rows: int
+    """This rank's rows of that block (block / CP): what token-wise work holds."""
+    earlier: int
+    """This rank's rows of the earlier blocks when the last block runs (what the earlier blocks'
+    host pages hold at most; 0 for a branch of one block)."""
+
+
+def branch_blocks_rows(response_len: int, response_block: int, cp: int) -> BranchBlocks:
+    """`BranchBlocks` of a branch of `response_len` rows (replay.branch_blocks: one block, the
+    whole branch padded to a multiple of CP, when it fits in one)."""
+    block = -(-response_block // cp) * cp
+    r_pad = -(-response_len // cp) * cp
+    num = -(-response_len // block)
+    if num <= 1:
+        return BranchBlocks(1, r_pad, r_pad // cp, 0)
+    return BranchBlocks(num, block, block // cp, (num - 1) * block // cp)
+
+
+def branch_host_pages(kinds: list[PageKind], blocks: BranchBlocks, page_tokens: int,
+                      grad_bytes) -> list[Item]:
+    """Host bytes of one member's blockwise branch on one rank (replay.py `_Blocks`): the earlier
+    blocks' key rows of every layer (`kinds`: sequence kinds, one row each, in the model's dtype)
+    in pages of `page_tokens` rows; the carried state (fixed kinds) put once per layer and kept at
+    every later block's start; and, in replay's reverse walk, a cotangent buffer beside every
+    kind but the index keys (`grad_bytes(kind)`: bytes per row of it, at least fp32). Freed
+    after the member. Nothing for a branch of one block."""
+    if blocks.num_blocks == 1:
+        return []
+    pages = -(-blocks.earlier // page_tokens) * page_tokens
+    seq = [k for k in kinds if k.sequence and k.num_layers]
+    fixed = [k for k in kinds if not k.sequence and k.num_layers]
+    items = [Item("branch pages: the earlier blocks' key rows of every layer [R/CP, row] (host, "
+                  "model dtype, whole pages)",
+                  sum(k.num_layers * pages * k.row_bytes for k in seq), measured=True)]
+    if fixed:
+        items.append(Item("branch carried state (GDN state + conv tail) per layer, put + kept at "
+                          "each later block's start (host)",
+                          sum(k.num_layers * k.row_bytes for k in fixed) * blocks.num_blocks,
+                          measured=True))
+    items.append(Item("branch cotangent buffers beside the kept rows and carried state (host, "
+                      ">= fp32, every kind but index keys; replay)",
+                      sum(k.num_layers * (blocks.earlier if k.sequence else 1) * grad_bytes(k)
+                          for k in seq + fixed if k.name != "index_key"), measured=True))
+    return items
+
+
 def rms_norm_saved(rows: int, width: int, b: float) -> float:
     """torch RMSNorm under autograd on [rows, width]: input, rstd x2, two products."""
     return (3 * rows * width + 2 * rows) * b
@@ -264,12 +323,24 @@ def rms_norm_saved(rows: int, width: int, b: float) -> float:
 def outside_layers_saved(cfg, rows: int, b: float, acc: float,
                          final_norm: float) -> tuple[float, float, float, float]:
     """What replay saves outside the decoder layers for `rows` branch rows: (token ids, the
-    checkpoint inputs [rows, h] of every decoder layer, the LM head: `final_norm`'s bytes,
-    output_layer input, log-softmax saved twice (its output and gather's input) and the gather
-    index, the loss: grpo.member_loss's ratio, clip, min and scalars)."""
+    checkpoint inputs [rows, h] of every decoder layer, the LM head, the loss: grpo.member_loss's
+    ratio, clip, min and scalars). The LM head (models/common.head_logprobs) is a non-reentrant
+    checkpoint per chunk of rows: it saves each chunk's input rows [chunk, h] (views of the last
+    hidden states) and targets [chunk] int64, nothing of the vocabulary (its logits are recomputed
+    in backward: `head_chunk_bytes`). `final_norm` is unused: the norm runs inside the chunks."""
     h = cfg.hidden_size
     embed = 8 * rows
     inputs = cfg.num_hidden_layers * rows * h * b
-    head = final_norm + rows * h * b + 2 * rows * cfg.vocab_size * acc + 8 * rows
+    head = rows * h * b + 8 * rows
     loss = 4 * rows * acc + 2 * acc
     return embed, inputs, head, loss
+
+
+def head_chunk_bytes(cfg, rows: int, acc: float, tensors: int) -> float:
+    """`tensors` fp32-or-wider [chunk, vocab] tensors of the chunked LM head
+    (models/common.head_logprobs, chunk = min(rows, HEAD_CHUNK_ROWS)): scoring holds the logits and
+    their log-softmax (2); replay's backward of a chunk the recomputed logits, log-softmax and its
+    gradient (3)."""
+    from megatron_longstraw.models.common import HEAD_CHUNK_ROWS
+
+    return tensors * min(rows, HEAD_CHUNK_ROWS) * cfg.vocab_size * acc

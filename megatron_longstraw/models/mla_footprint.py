@@ -12,9 +12,10 @@ from megatron_longstraw.models.footprint import (
     Item, ParamGroup, PlanSpec, rms_norm_saved, streamed_capture_device,
 )
 
-CP_REPLAY_NOTE = ("CP replay gathers all R_pad branch queries on every rank and merges the "
-                  "partial outputs [R_pad, heads, kv_lora_rank] by log-sum-exp with a "
-                  "reduce-scatter: the attention working set grows with R, not R/CP.")
+CP_REPLAY_NOTE = ("CP scoring and replay gather one block's queries (response_block rows, or "
+                  "the whole padded branch when shorter) on every rank and merge the partial "
+                  "outputs [block, heads, kv_lora_rank] by log-sum-exp with a reduce-scatter: "
+                  "the attention working set grows with the block, not R.")
 
 
 def mla_moe_params(cfg, after_attention: Sequence[ParamGroup] = ()) -> list[ParamGroup]:
@@ -111,8 +112,9 @@ def capture_moe_items(cfg, spec: PlanSpec, n: int, window_values: int = 0) -> li
 
 
 def lse_merge_item(cfg, r_pad: int, cp: int, acc: float) -> Item:
-    """Scoring under CP: collectives.merge_partials_by_lse of all branch queries' partial latent
-    outputs."""
+    """Scoring under CP: collectives.merge_partials_by_lse of one block's gathered queries' partial
+    latent outputs (`r_pad`: the block's padded rows)."""
     H, kvr = cfg.num_attention_heads, cfg.kv_lora_rank
-    return Item("LSE merge: [weight * out; weight] [R, heads, kv_lora_rank + 1] fp32 + reduce-scatter",
+    return Item("LSE merge: [weight * out; weight] [block, heads, kv_lora_rank + 1] fp32 + "
+                "reduce-scatter",
                 2 * r_pad * H * (kvr + 1) * acc if cp > 1 else 0, group="step")

@@ -53,6 +53,14 @@ class PageRows:
         """Cotangents of rows `row_idx` [n] (repeats add up) into the page's buffer."""
         self.store.add_grad(self.layer, self.kind, grad_rows, rows=row_idx)
 
+    def grad_sink(self):
+        """`add_grads` as a function that holds the store, layer and kind only, not `rows`: the
+        reference's autograd node keeps its sink until backward, and under whole-layer
+        checkpointing a sink holding the part would keep every layer's page window (its device
+        copy) alive through the forward (O(layers x rows), not one layer's)."""
+        store, layer, kind = self.store, self.layer, self.kind
+        return lambda row_idx, grad_rows: store.add_grad(layer, kind, grad_rows, rows=row_idx)
+
     def streams_grads(self, query: torch.Tensor) -> bool:
         """Whether this part's cotangents go straight to the page's buffer from the reference's
         backward (`refs.sparse_mla_attention_to_sink`): the exact prompt gradient, a recorded call
@@ -186,7 +194,7 @@ def sparse_mla(query: torch.Tensor, parts: Sequence[torch.Tensor], indices: torc
         first += held.shape[0]
         if isinstance(part, PageRows) and part.streams_grads(query):
             out, lse = refs.sparse_mla_attention_to_sink(query, held, local, scale, v_dim,
-                                                         part.add_grads)
+                                                         part.grad_sink())
             outs.append(out)
             lses.append(lse)
             continue

@@ -141,6 +141,16 @@ class Plan:
     max_prompt_len_host: int | None = None
     max_response_len_device: int | None = None
     """Longest response whose step fits the device at this prompt length."""
+    max_response_len_host: int | None = None
+    """Longest response whose step fits the host (per node) at this prompt length."""
+    response_limit: str = ""
+    """What stops the response one token past the largest: the phase or host line that grows
+    past the budget there (`_limit`)."""
+
+    @property
+    def max_response_len(self) -> int | None:
+        vals = [self.max_response_len_device, self.max_response_len_host]
+        return None if None in vals else min(vals)
 
     @property
     def max_prompt_len(self) -> int | None:
@@ -178,6 +188,10 @@ class Plan:
             "max_prompt_len_device": self.max_prompt_len_device,
             "max_prompt_len_host": self.max_prompt_len_host,
             "max_response_len_device": self.max_response_len_device,
+            "max_response_len_host": self.max_response_len_host,
+            "max_response_len": self.max_response_len,
+            "response_limit": self.response_limit,
+            "response_block": s.response_block,
             "notes": self.notes,
         }
 
@@ -311,10 +325,27 @@ def plan(spec: PlanSpec, search_max: bool = True) -> Plan:
     if search_max:
         result.max_prompt_len_device = _largest(lambda p: _evaluate(spec, p).device_fits, lo=2)
         result.max_prompt_len_host = _largest(lambda p: _evaluate(spec, p).host_fits, lo=2)
-        result.max_response_len_device = _largest(
-            lambda r: _evaluate(dataclasses.replace(spec, response_len=r), spec.prompt_len).device_fits,
-            hi=1 << 22)
+        at = lambda r: _evaluate(dataclasses.replace(spec, response_len=r), spec.prompt_len)
+        result.max_response_len_device = _largest(lambda r: at(r).device_fits, hi=1 << 22)
+        result.max_response_len_host = _largest(lambda r: at(r).host_fits, hi=1 << 22)
+        longest = result.max_response_len
+        if longest is not None and longest < 1 << 22:
+            result.response_limit = _limit(at(longest), at(longest + 1))
     return result
+
+
+def _limit(fits: Plan, breaks: Plan) -> str:
+    """What breaks the plan one response token past the largest: the device (its peak phase and
+    that phase's largest line) or the host (its largest line per rank)."""
+    if not breaks.device_fits:
+        items = breaks.phases[breaks.peak_phase]
+        top = max(items, key=lambda i: i.bytes)
+        return (f"device: the {breaks.peak_phase} phase, largest line '{top.name}' "
+                f"({top.bytes / GiB:.2f} GiB)")
+    top = max(breaks.host_items, key=lambda i: i.bytes, default=None)
+    name = f", largest line beside the pages '{top.name}' ({top.bytes / GiB:.2f} GiB per rank)" \
+        if top else ""
+    return f"host: {breaks.host_bytes_per_node / GiB:.2f} GiB per node{name}"
 
 
 def format_plan(p: Plan) -> str:
@@ -346,8 +377,10 @@ def format_plan(p: Plan) -> str:
         f"{'fits' if p.host_fits else 'DOES NOT FIT'}",
         f"  largest prompt: device {_fmt_len(p.max_prompt_len_device)}, host "
         f"{_fmt_len(p.max_prompt_len_host)} -> {_fmt_len(p.max_prompt_len)}",
-        f"  longest response that fits the device at P={s.prompt_len:,}: "
-        f"{_fmt_len(p.max_response_len_device, 1)}",
+        f"  largest response at P={s.prompt_len:,} (response_block={s.response_block:,}): device "
+        f"{_fmt_len(p.max_response_len_device, 1)}, host {_fmt_len(p.max_response_len_host, 1)} -> "
+        f"{_fmt_len(p.max_response_len, 1)}"
+        + (f"; limited by {p.response_limit}" if p.response_limit else ""),
     ]
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)

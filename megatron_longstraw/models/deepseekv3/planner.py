@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
-    outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
+    branch_blocks_rows, branch_host_pages, head_chunk_bytes, outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -28,7 +28,8 @@ def deepseekv3_pages(cfg, latent_bytes: float) -> list[PageKind]:
 
 
 def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
-                            router_bytes: float = 4, acc: float | None = None) -> dict[str, float]:
+                            router_bytes: float = 4, acc: float | None = None,
+                            earlier: int = 0) -> dict[str, float]:
     """Bytes autograd saves while one member's branch is replayed (analytic; the GLM-5.2 planner's
     conventions, `planner/glm52.py`). rows: this rank's branch rows; under CP the attention works
     on the whole gathered branch (R_pad queries) over the local prompt shard. The dense attention
@@ -39,7 +40,8 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
     d_qk, V = kvr + cfg.qk_rope_head_dim, cfg.vocab_size
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
-    keys = local_prompt_rows(prefix_len + 1, cp) + q   # local prompt rows + the branch's own
+    # local prompt rows + a blockwise branch's earlier blocks' rows here + the block's own
+    keys = local_prompt_rows(prefix_len + 1, cp) + earlier + q
     # Two partials (models/partials.py: the prompt's rows, the branch's own), each saving the
     # queries, its output, lse and positions; the log-sum-exp merge saves both and the merged ones.
     attention = (
@@ -58,7 +60,7 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
     embed, inputs, head, loss = outside_layers_saved(cfg, c, b, acc, rms_norm_saved(c, h, b))
     return {"embedding": embed, "checkpoint_inputs": inputs, "layer_working_set": max(layers),
             "attention_working_set": attention, "head": head, "loss": loss,
-            "largest_saved_tensor": max(keys * d_qk * b, q * H * d_qk * b, c * V * acc),
+            "largest_saved_tensor": max(keys * d_qk * b, q * H * d_qk * b),
             "checkpointed": embed + inputs + head + loss,
             "uncheckpointed": embed + sum(layers) + head + loss}
 
@@ -70,7 +72,9 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     d_qk, v = kvr + dr, cfg.v_head_dim
     cp = spec.cp
     n, total, rows, r_pad = rank_rows(prompt_len, cp, spec.response_len)
-    saved = deepseekv3_replay_saved(cfg, rows, cp, total, b, acc=acc)
+    blk = branch_blocks_rows(spec.response_len, spec.response_block, cp)
+    q, c, earlier = blk.block, blk.rows, blk.earlier
+    saved = deepseekv3_replay_saved(cfg, c, cp, total, b, acc=acc, earlier=earlier)
     scores = lambda queries: 3 * queries * H * spec.key_block * acc  # one key block's scores/probs
 
     # Capture (capture.py; attention.py), one layer at a time.
@@ -95,24 +99,29 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     # attended as two parts (models/partials.py: no cat).
     common = [Item("streamed page window (2 layers' local pages)",
                    2 * n * d_qk * spec.latent_bytes)]
-    qs = min(spec.query_block, r_pad)
+    qs = min(spec.query_block, q)
+    common += [Item("the earlier blocks' positions [R/CP] int64 x2 (kept + the view's cat) and "
+                    "the member's log-probs [R/CP] fp32 (per block, kept)", 16 * earlier + rows * acc),
+               Item("the earlier blocks' latent rows of one layer [R/CP, latent] (read from the "
+                    "branch pages) + their positions", earlier * (d_qk * b + 8))]
     scoring = common + [
-        Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
-             2 * rows * cfg.vocab_size * acc),
+        Item("scoring LM head (chunked): logits and log-softmax [min(block/CP, 1024), vocab] fp32",
+             head_chunk_bytes(cfg, c, acc, 2)),
         Item("dense attention block [query_block, heads, key_block]", scores(qs), group="step"),
-        lse_merge_item(cfg, r_pad, cp, acc),
+        lse_merge_item(cfg, q, cp, acc),
     ]
     replay = common + [
-        Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
+        Item("replay checkpoint inputs [block/CP, h] x layers + token ids",
              saved["checkpoint_inputs"] + saved["embedding"]),
         Item("replay recompute working set (one decoder layer)", saved["layer_working_set"],
              group="graph"),
-        Item("replay LM head + loss (before the layers' backward)",
-             saved["head"] + saved["loss"], group="graph"),
+        Item("replay LM head + loss, and one head chunk's backward [min(block/CP, 1024), vocab] "
+             "fp32 x3", saved["head"] + saved["loss"] + head_chunk_bytes(cfg, c, acc, 3),
+             group="graph"),
         # The pages are a constant part (models/partials.py): only the branch's own rows get a
         # key gradient.
-        Item("replay backward: the branch rows' key gradient [R, latent] fp32 + one key block's "
-             "scores", r_pad * d_qk * acc + scores(qs)),
+        Item("replay backward: the block rows' key gradient [block, latent] fp32 + one key "
+             "block's scores", q * d_qk * acc + scores(qs)),
     ]
     notes = ["DeepSeek-V3's replay and capture figures are analytic (no SavedTensorMeter check "
              "yet); its pages are exact."]
@@ -122,4 +131,7 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                      phases={"capture (attention layer)": capture_attention,
                              "capture (MoE layer)": capture_moe,
                              "scoring": scoring, "replay": replay},
-                     replay_saved=saved, notes=notes, host=capture_host)
+                     replay_saved=saved, notes=notes,
+                     host=capture_host + branch_host_pages(
+                         deepseekv3_pages(cfg, b), blk, spec.page_tokens,
+                         lambda kind: kind.row_bytes * acc / b))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.footprint import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved, outside_layers_saved,
-    rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
+    head_chunk_bytes, local_prompt_rows, lse_merge_saved, outside_layers_saved, rank_rows,
+    rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -40,13 +41,15 @@ def glm52_pages(cfg, latent_bytes: float, index_key_bytes: float) -> list[PageKi
 
 
 def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, router_bytes: float = 4,
-                       acc: float | None = None, query_block: int | None = None) -> dict[str, float]:
+                       acc: float | None = None, query_block: int | None = None,
+                       earlier: int = 0) -> dict[str, float]:
     """Bytes autograd saves while one member's branch is replayed, as SavedTensorMeter counts them
     (one count per saved reference; views of one storage count once each).
 
-    rows: this rank's branch rows (R, or R_pad / CP). Under CP the attention core works on the whole
-    gathered branch (R_pad query rows: attention.py `_replay_context_parallel`) and the LSE merge
-    saves every rank's partial output. b: activation bytes; acc: float32-or-wider accumulation.
+    rows: this rank's branch rows (R, or R_pad / CP), or of one block of a blockwise branch. Under
+    CP the attention core works on the whole gathered branch or block (rows x CP query rows:
+    attention.py `_replay_context_parallel`) and the LSE merge saves every rank's partial output.
+    earlier: this rank's rows of a blockwise branch's earlier blocks, a third key part (replay.py). b: activation bytes; acc: float32-or-wider accumulation.
     Returns the parts and the two totals the meter sees: `checkpointed` (whole-layer checkpointing:
     layer inputs + LM head + loss) and `uncheckpointed` (every layer's tensors).
     """
@@ -55,7 +58,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     d_qk, V = kvr + cfg.qk_rope_head_dim, cfg.vocab_size
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
-    k = min(cfg.index_topk, prefix_len + q)            # selection width
+    k = min(cfg.index_topk, prefix_len + earlier * cp + q)   # selection width
 
     calls = -(-q // min(query_block or q, q)) if q else 0   # sparse core calls per part
     sparse_block = min(q, query_block or q, refs.SPARSE_QUERY_BLOCK)
@@ -76,6 +79,9 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
         mla_outer_saved(cfg, c, b)
         + core(prefix_width, prefix_rows) + core(own_width, q)
         + 3 * q * H * (kvr * b + acc)                  # the merge
+        # a blockwise branch's earlier blocks: their part (its cotangents go to the host buffers,
+        # refs.sparse_mla_attention_to_sink) and one more partial in the merge
+        + (core(min(k, earlier), earlier) + q * H * (kvr * b + acc) if earlier else 0)
         + H * c * kvr * b                              # out_latent . W_UV (einsum)
     )
     if cp > 1:  # collectives.merge_partials_by_lse: this rank's [q, H, kvr] partial, its c rows kept
@@ -87,7 +93,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     # Saved references the meter counts that are no bytes of their own on a device: the sparse
     # core's latent rows (the page window, charged by replay's page-window line; the branch's own
     # rows once), the expanded scatter index, and the log-probs saved a second time by gather.
-    attention_views = calls * prefix_rows * d_qk * b + (calls - 1) * q * d_qk * b
+    attention_views = calls * (prefix_rows + earlier) * d_qk * b + (calls - 1) * q * d_qk * b
     moe_views = routed * h * 8 - routed * 8
     layers = [attention + (moe if cfg.is_moe_layer(i) else dense)
               for i in range(cfg.num_hidden_layers)]
@@ -96,12 +102,13 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     embed, inputs, head, loss = outside_layers_saved(cfg, c, b, acc, rms_norm_saved(c, h, b))
     return {"embedding": embed, "checkpoint_inputs": inputs, "layer_working_set": max(layers),
             "layer_working_set_device": max(layers_device),
-            "attention_working_set": attention, "head": head, "head_device": head - c * V * acc,
+            "attention_working_set": attention, "head": head, "head_device": head,
             "loss": loss,
             # The sparse core's backward: the own rows' gradient and one block's rows, their
             # gradient and two score tensors (refs.sparse_mla_attention); saves no gathered rows.
+            # (The LM head's chunk backward is `head_chunk_bytes`, beside the layers' backward.)
             "largest_saved_tensor": max(q * d_qk * acc + sparse_block * (2 * k * d_qk + 2 * H * k)
-                                        * acc, q * H * kvr * acc if cp > 1 else 0, c * V * acc),
+                                        * acc, q * H * kvr * acc if cp > 1 else 0),
             "checkpointed": embed + inputs + head + loss,
             "uncheckpointed": embed + sum(layers) + head + loss}
 
@@ -123,7 +130,9 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     index_read = di * spec.latent_bytes if fp8_keys else index_row
     wide = max(4.0, spec.latent_bytes)
     dequant = lambda rows: 2 * min(rows, spec.page_tokens) * di * wide if fp8_keys else 0
-    saved = glm52_replay_saved(cfg, rows, cp, total, b, acc=acc, query_block=spec.query_block)
+    blk = branch_blocks_rows(spec.response_len, spec.response_block, cp)
+    saved = glm52_replay_saved(cfg, blk.rows, cp, total, b, acc=acc, query_block=spec.query_block,
+                               earlier=blk.earlier)
     indexer_block = lambda queries: (queries * hi * spec.key_block * acc + queries * spec.key_block * acc
                                      + 2 * queries * (topk + min(topk, spec.key_block)) * (acc + 8))
 
@@ -157,55 +166,81 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     # Scoring and replay stream the pages: replay.py prefetches layer l+1 while l runs (two
     # layers' local pages, every kind; on CPU views of the pages unless `PageStore.device_copies`);
     # the pages and the branch's rows are attended as two parts (models/partials.py: no cat); the
-    # CP path builds a global position lookup.
+    # CP path builds a global position lookup. A branch longer than `response_block` runs block by
+    # block (`blk`): the working sets below are one block's; what grows with R is listed apart.
     latent_rows = n * d_qk * spec.latent_bytes
     two_layers = 2 * (latent_rows + n * index_read) + dequant(n)
-    common = [Item("global position lookup [P + R] int64 (CP path)",
-                   8 * (total + r_pad) if cp > 1 else 0)]
+    q, c, earlier = blk.block, blk.rows, blk.earlier
+    common = [Item("key positions: the prompt shard's [P/CP] and their cat with the earlier "
+                   "blocks' [P/CP + R/CP] int64 (CP path; at most [P + R])",
+                   8 * (total + r_pad) if cp > 1 else 0),
+              # replay.py `_Blocks`: every kept block's positions and their cat (the view)
+              Item("the earlier blocks' positions [R/CP] int64 x2 (kept + the view's cat) and the "
+                   "member's log-probs [R/CP] fp32 (per block, kept)",
+                   16 * earlier + rows * acc)]
     # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
+    branch_kinds = glm52_pages(cfg, b, b)              # the branch's own pages: the model's dtype
     host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
                                 spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4,
                                 measured=True)]
+    host += branch_host_pages(branch_kinds, blk, spec.page_tokens,
+                              lambda kind: kind.row_bytes * acc / b)
+    # One layer's earlier-block rows read to the device (like the prompt's page window): latents,
+    # and in scoring the index keys for the top-k.
+    earlier_latents = Item("the earlier blocks' latent rows of one layer [R/CP, latent] (read "
+                           "from the branch pages)", earlier * d_qk * b)
     scoring = common + [
         Item("streamed page window (2 layers' local pages)", two_layers),
+        earlier_latents,
+        Item("the earlier blocks' index keys of one layer [R/CP, index] (read from the branch "
+             "pages)", earlier * di * b),
         # One process: the top-k runs over [prompt; branch] index keys and positions (a cat).
         Item("index keys and positions of [prompt; branch] [P + R, index] + int64 (one process)",
-             (n + r_pad) * (di * b + 8) if cp == 1 else 0),
-        Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
-             2 * rows * cfg.vocab_size * acc),
+             (n + earlier + q) * (di * b + 8) if cp == 1 else 0),
+        Item("scoring LM head (chunked): logits and log-softmax [min(R/CP, 1024), vocab] fp32",
+             head_chunk_bytes(cfg, c, acc, 2)),
         # The pass keeps every full indexer layer's selection of the member until scoring ends
-        # (state.selections, int32; replay.score_member then keeps them in host memory); the
-        # current layer's top-k is int64 while its attention runs.
+        # (state.selections; replay._forward_blocks keeps each block's on the device, then
+        # replay.score_member moves them to host memory); the current layer's top-k is int64
+        # while its attention runs. Under CP every rank holds every row's.
         Item("the member's DSA selections: full indexer layers x [R_pad, topk] int32 + the "
-             "current layer's int64", (cfg.num_full_indexer_layers() * 4 + 8) * r_pad * k),
-        # Under CP every rank gathers all R_pad branch rows (attention.py,
-        # _replay_context_parallel): queries, index queries and weights, index keys, latents; and
-        # attends them all, its partial outputs and lses before the merge.
-        Item("gathered branch rows [R_pad, heads x latent + index heads x (index + 1) + index + "
-             "latent] + partial outputs [R_pad, heads, kv_lora_rank] and lse (CP)",
-             r_pad * ((H * d_qk + hi * (di + 1) + di + d_qk) * b + H * (kvr * b + acc))
+             "current block's int64 (on the device until scoring ends)",
+             cfg.num_full_indexer_layers() * 4 * r_pad * k + 8 * q * k),
+        # Under CP every rank gathers the block's rows (attention.py, _replay_context_parallel):
+        # queries, index queries and weights, index keys, latents; and attends them all, its
+        # partial outputs and lses before the merge.
+        Item("gathered block rows [block, heads x latent + index heads x (index + 1) + index + "
+             "latent] + partial outputs [block, heads, kv_lora_rank] and lse (CP)",
+             q * ((H * d_qk + hi * (di + 1) + di + d_qk) * b + H * (kvr * b + acc))
              if cp > 1 else 0),
         Item("indexer scores [query_block, index_heads, key_block] fp32",
-             indexer_block(min(spec.query_block, r_pad)), group="step"),
+             indexer_block(min(spec.query_block, q)), group="step"),
         # Under CP the gathered queries are selected per query block too (attention.py): the
-        # exchanged candidates are [query_block, CP x 2 topk].
-        Item("global top-k merge [query_block, CP x 2 topk] (scores, positions, sort)",
-             min(spec.query_block, r_pad) * cp * 2 * k * (3 * acc + 5 * 8) if cp > 1 else 0,
+        # exchanged candidates are [query_block, CP x sources x topk] (sources: the prompt shard,
+        # the earlier blocks' rows, the block's own).
+        Item("global top-k merge [query_block, CP x (2 or 3) topk] (scores, positions, sort)",
+             min(spec.query_block, q) * cp * (3 if earlier else 2) * k * (3 * acc + 5 * 8)
+             if cp > 1 else 0,
              group="step"),
-        lse_merge_item(cfg, r_pad, cp, acc),
+        lse_merge_item(cfg, q, cp, acc),
     ]
     replay = common + [
         # The backward's recompute reads one layer's latent rows; the forward holds two layers'
         # prefetched pages (every kind), while no layer's saved tensors are alive.
         Item("streamed page window: one layer's local latent rows (the backward)", latent_rows),
+        earlier_latents,
         Item("replay forward: two layers' prefetched pages, beyond the latent rows above",
              two_layers - latent_rows, group="graph"),
-        Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
+        Item("replay checkpoint inputs [block/CP, h] x layers + token ids",
              saved["checkpoint_inputs"] + saved["embedding"], measured=True),
-        Item("replay recompute working set (one decoder layer)", saved["layer_working_set_device"],
+        # A blockwise branch's forward without autograd (replay._forward_blocks) runs a block's
+        # layers over the same keys with the selections given: a part of this line's tensors.
+        Item("replay recompute working set (one decoder layer of one block)",
+             saved["layer_working_set_device"], measured=True, group="graph"),
+        Item("replay LM head + loss, and one head chunk's backward: logits, log-softmax and its "
+             "gradient [min(block/CP, 1024), vocab] fp32",
+             saved["head_device"] + saved["loss"] + head_chunk_bytes(cfg, c, acc, 3),
              measured=True, group="graph"),
-        Item("replay LM head + loss (before the layers' backward)",
-             saved["head_device"] + saved["loss"], measured=True, group="graph"),
         # The pages are a constant part (models/partials.py): no gradient buffer spans them.
         Item("replay backward transient (the sparse core's backward block, or the largest gradient)",
              saved["largest_saved_tensor"], measured=True),

@@ -5,8 +5,8 @@ live-bytes meter, see `qwen36`)."""
 from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, lse_merge_saved, outside_layers_saved,
-    phase_bytes, rank_rows, streamed_capture_device, streamed_capture_host,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
+    head_chunk_bytes, lse_merge_saved, outside_layers_saved, phase_bytes, rank_rows, streamed_capture_device, streamed_capture_host,
 )
 
 
@@ -249,10 +249,10 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
             "layer_working_set_device": max(gdn_device, attention_device) + mlp,
             "gdn_working_set_device": gdn_device + mlp,
             "attention_working_set_device": attention_device + mlp,
-            "head": head, "head_device": head - c * V * acc, "loss": loss,
+            "head": head, "head_device": head, "loss": loss,
             # The pages are a constant part (models/partials.py): of the keys only the branch's
             # own rows [s, G, d] get a gradient.
-            "largest_saved_tensor": max(s * G * d * b, c * V * acc, s * hv * dv * acc,
+            "largest_saved_tensor": max(s * G * d * b, s * hv * dv * acc,
                                         s * H * d * acc if cp > 1 else 0),
             "checkpointed": embed + inputs + head + loss,
             "end_of_forward": end_of_forward, "inside_last_gdn": inside_last_gdn,
@@ -276,7 +276,13 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     n, total, rows, r_pad = rank_rows(prompt_len, cp, R)
     state_bytes = max(4.0, b)                           # both delta-rule kernels keep S in fp32
     pages = qwen36_pages(cfg, spec.latent_bytes, spec.latent_bytes, state_bytes, cp, total > 0)
-    saved = qwen36_replay_saved(cfg, rows, cp, n, b, spec.query_block, acc=acc)
+    # A branch longer than `response_block` runs block by block (replay.py): scoring and replay
+    # hold one block's working set (`q` rows gathered, `c` per rank); the earlier blocks' K/V rows
+    # (`earlier` per rank) are a key part read from host pages, like the prompt's (replay's
+    # working set counts them with the prompt's key rows).
+    blk = branch_blocks_rows(R, spec.response_block, cp)
+    q, c, earlier = blk.block, blk.rows, blk.earlier
+    saved = qwen36_replay_saved(cfg, c, cp, n + earlier, b, spec.query_block, acc=acc)
     kv_row = 2 * G * d * spec.latent_bytes              # one layer's K and V page bytes per token
     fixed = sum(p.row_bytes for p in pages if not p.sequence and p.num_layers)  # one GDN layer
 
@@ -370,24 +376,29 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
     # and its own K/V, GDN over all R_pad rows (this rank's heads under CP), the MLP, the LM head.
     gdn_scoring = (Item("scoring GDN layer over the branch: in_proj, conv, the rule's inputs and "
                         "the torch chunked rule's working set + the carried state",
-                        gdn_torch_block(r_pad) + fixed, group="layer")
+                        gdn_torch_block(q) + fixed, group="layer")
                    if spec.gdn_kernels == "torch" else
                    Item("scoring GDN layer over the branch (in_proj, conv, gated norm, FLA chunk "
-                        "kernel) + the carried state (FLA: analytic)", gdn_block(r_pad) + fixed,
+                        "kernel) + the carried state (FLA: analytic)", gdn_block(q) + fixed,
                         group="layer"))
-    scoring = [window,
+    tables = Item("the earlier blocks' positions [R/CP] int64 x2 (kept + the view's cat) and the "
+                  "member's log-probs [R/CP] fp32 (per block, kept)", 16 * earlier + rows * acc)
+    earlier_kv = Item("the earlier blocks' K/V rows of one attention layer [R/CP, 2 x groups x d] "
+                      "(read from the branch pages) + their positions", earlier * (kv_row + 8))
+    scoring = [window, tables, earlier_kv,
                Item("scoring attention layer over the branch: capture's token-block lines for "
-                    "R_pad queries", phase_bytes(attention_block(r_pad)), group="layer"),
+                    "one block's queries", phase_bytes(attention_block(q)), group="layer"),
                gdn_scoring,
-               Item("scoring MLP over the branch [R_pad rows]: the larger of the GLU and the norm",
-                    phase_bytes(mlp_block(r_pad)), group="layer"),
-               Item("scoring LM head: logits and log-softmax [R/CP, vocab] fp32",
-                    2 * rows * cfg.vocab_size * acc, group="layer"),
-               Item("LSE merge: [weight * out; weight] [R, heads, d + 1] fp32 + reduce-scatter",
-                    2 * r_pad * H * (d + 1) * acc if cp > 1 else 0)]
+               Item("scoring MLP over one block [block rows]: the larger of the GLU and the norm",
+                    phase_bytes(mlp_block(q)), group="layer"),
+               Item("scoring LM head (chunked): logits and log-softmax [min(block/CP, 1024), "
+                    "vocab] fp32", head_chunk_bytes(cfg, c, acc, 2), group="layer"),
+               Item("LSE merge: [weight * out; weight] [block, heads, d + 1] fp32 + reduce-scatter",
+                    2 * q * H * (d + 1) * acc if cp > 1 else 0)]
     replay = [
         Item(f"{window.name}; scoring's bytes, seen there", window.bytes),
-        Item("replay checkpoint inputs [R/CP, h] x layers + token ids",
+        tables, earlier_kv,
+        Item("replay checkpoint inputs [block/CP, h] x layers + token ids",
              saved["checkpoint_inputs"] + saved["embedding"], measured=True),
         Item("replay recompute: attention layer + MLP (K/V cat counted once)",
              saved["attention_working_set_device"], measured=True, group="graph"),
@@ -395,12 +406,14 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
              saved["gdn_working_set_device"], group="graph") if spec.gdn_kernels == "fla" else
         Item("replay recompute: GDN layer + MLP (torch chunked rule's saved set)",
              saved["gdn_layer"], measured=True, group="graph"),
-        Item("replay LM head + loss (before the layers' backward)",
-             saved["head_device"] + saved["loss"], measured=True, group="graph"),
+        Item("replay LM head + loss, and one head chunk's backward: logits, log-softmax and its "
+             "gradient [min(block/CP, 1024), vocab] fp32",
+             saved["head_device"] + saved["loss"] + head_chunk_bytes(cfg, c, acc, 3),
+             measured=True, group="graph"),
         # The pages are a constant part (models/partials.py; exact mode: one key window's
         # cotangents at a time): only the branch's own K/V get a gradient buffer.
-        Item("replay attention backward: grad K/V [R, groups, d] fp32 x2 + block scratch",
-             2 * r_pad * G * d * acc + scores(min(spec.query_block, r_pad))),
+        Item("replay attention backward: grad K/V [block, groups, d] fp32 x2 + block scratch",
+             2 * q * G * d * acc + scores(min(spec.query_block, q))),
         Item("replay backward transient (gradient of the largest saved tensor)",
              saved["largest_saved_tensor"]),
     ]
@@ -427,11 +440,16 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
         notes.append(f"CP = {cp}: per-rank pages (K/V of the load-balanced prompt shard; GDN state "
                      "and conv tail sharded by heads, 1 / CP per rank) and replay saved bytes follow "
                      "models/qwen36's CP path, checked at CP = 2 on the tiny model; other sizes are "
-                     "the same formulas, not measured. Replay runs GDN over all R_pad rows for "
-                     "H_v / CP heads and gathers all R_pad queries for attention: those working sets "
-                     "grow with R, not R / CP.")
+                     "the same formulas, not measured. Scoring and replay run GDN over one block's "
+                     "rows for H_v / CP heads and gather one block's queries for attention: those "
+                     "working sets grow with the block (response_block), not R.")
     return Footprint(params=qwen36_params(cfg), pages=pages,
                      phases={"capture (attention layer)": capture_attention,
                              "capture (GDN layer)": capture_gdn, "capture (MLP layer)": capture_mlp,
                              "scoring": scoring, "replay": replay},
-                     replay_saved=saved, notes=notes, host=capture_host)
+                     replay_saved=saved, notes=notes,
+                     host=capture_host + branch_host_pages(
+                         qwen36_pages(cfg, b, b, state_bytes, cp), blk, spec.page_tokens,
+                         # the GDN state is fp32 already; K/V and the conv tail widen to fp32
+                         lambda kind: kind.row_bytes if kind.name == "gdn_state"
+                         else kind.row_bytes * acc / b))
