@@ -34,6 +34,8 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
     """One optimizer step over this rank's groups; returns (logps, grads, params, selections)."""
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
     from megatron_longstraw.distributed.expert_names import global_name
+    from megatron_longstraw.distributed.cp_layout import CPLayout
+    from megatron_longstraw.training.replay import gather_selections
     from megatron_longstraw.training.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -43,7 +45,9 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
         result = forward_backward_longstraw(model, group, longstraw_cfg(len(group.response_ids)),
                                             loss_scale=1.0 / num_groups_total)
         logps.append([lp.clone() for lp in result.logps])
-        selections.append(result.selections)
+        ls = longstraw_cfg(len(group.response_ids))
+        selections.append([gather_selections(sel, int(r.numel()), ls, CPLayout.current())
+                           for sel, r in zip(result.selections, group.response_ids)])
     finalize_longstraw_grads(model)
     norm = grad_norm(model)
     name = lambda n: global_name(n, getattr(cfg, "n_routed_experts", 0))

@@ -68,3 +68,23 @@ class CPLayout:
         """(start, end, padded_length) of this rank's rows of a response branch."""
         per_rank = -(-length // self.size)
         return self.rank * per_rank, (self.rank + 1) * per_rank, per_rank * self.size
+
+    def branch_blocks(self, length: int, block: int) -> list[tuple[int, int]]:
+        """(first row, padded end) of each block of a branch of `length` rows: `block` rows each
+        (rounded up to a multiple of the CP size: every rank holds a share of every block), the
+        last one padded to a multiple of the CP size. One block (the whole padded branch, as
+        `branch_rows` pads it) when the branch fits in one. Rank r holds the r-th of CP equal
+        contiguous shares of each block (training/replay.py)."""
+        block = -(-block // self.size) * self.size
+        return [(start, start + -(-min(block, length - start) // self.size) * self.size)
+                for start in range(0, length, block)]
+
+    def own_branch_rows(self, length: int, block: int) -> torch.Tensor:
+        """This rank's rows of a blockwise branch (`branch_blocks`), in order: its share of each
+        block. -> [R_pad / CP] int64"""
+        shares = []
+        for start, end in self.branch_blocks(length, block):
+            per_rank = (end - start) // self.size
+            first = start + self.rank * per_rank
+            shares.append(torch.arange(first, first + per_rank))
+        return torch.cat(shares)

@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.distributed import collectives
+from megatron_longstraw.distributed.cp_layout import CPLayout
 from megatron_longstraw.state.attention_pass import (AttentionPass, CPPass, EarlierBlocks,
                                                      PromptGrad)
 from megatron_longstraw.state.pages import PageStore
@@ -49,13 +50,8 @@ class Branch:
 
 
 def branch_blocks(length: int, block: int, cp_size: int) -> list[tuple[int, int]]:
-    """(first row, padded end) of each block of a branch of `length` rows: `block` rows each
-    (rounded up to a multiple of the CP size: every rank holds a share of every block), the last
-    one padded to a multiple of the CP size. One block (the whole padded branch, as
-    `CPLayout.branch_rows` pads it) when the branch fits in one."""
-    block = -(-block // cp_size) * cp_size
-    return [(start, start + -(-min(block, length - start) // cp_size) * cp_size)
-            for start in range(0, length, block)]
+    """`CPLayout.branch_blocks` for a CP size: (first row, padded end) of each block."""
+    return CPLayout(None, cp_size, 0).branch_blocks(length, block)
 
 
 def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor, start: int = 0,
@@ -83,7 +79,7 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor, start: int
 def member_blocks(captured: CapturedPrompt, response_ids: torch.Tensor,
                   cfg: LongStrawConfig) -> list[Branch]:
     """The member's branch in blocks of `cfg.response_block` rows (one block when it fits)."""
-    bounds = branch_blocks(int(response_ids.numel()), cfg.response_block, captured.layout.size)
+    bounds = captured.layout.branch_blocks(int(response_ids.numel()), cfg.response_block)
     if len(bounds) == 1:
         return [make_branch(captured, response_ids)]
     return [make_branch(captured, response_ids, start, end) for start, end in bounds]
@@ -95,14 +91,55 @@ def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
           earlier: EarlierBlocks | None = None) -> AttentionPass:
     cp = CPPass.for_branch(captured.layout, captured.positions, captured.prefix_len,
                            branch.padded_length, branch.start)
-    if selections is not None:                       # the rows of this block (or all of them)
-        selections = {layer: sel[branch.start:branch.start + branch.padded_length]
-                      for layer, sel in selections.items()}
+    if selections is not None:
+        selections = _block_selections(selections, branch, captured.layout)
     return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
                          reuse_selections=selections is not None, query_block=cfg.query_block,
                          key_block=cfg.key_block, token_block=cfg.token_block, cp=cp,
                          prompt_grad=prompt_grad, branch=earlier)
+
+
+def _block_selections(selections: dict[int, torch.Tensor], branch: Branch,
+                      layout: CPLayout) -> dict[int, torch.Tensor]:
+    """This rank's rows of a member's selections ({layer: [R_pad / CP, k]}, `score_member`'s)
+    -> every row of the block or branch `branch` ({layer: [rows, k]}, what a branch pass reads:
+    under CP every rank selects for all of them), gathered from the ranks (one block's worth)."""
+    first = branch.start // layout.size
+    count = branch.padded_length // layout.size
+    return {layer: collectives.gather_tensor(sel[first:first + count].contiguous(), layout)
+            for layer, sel in selections.items()}
+
+
+def _own_selections(selections: dict[int, torch.Tensor], branch: Branch, layout: CPLayout,
+                    device) -> dict[int, torch.Tensor]:
+    """A branch pass's selections ({layer: [rows of the block, k]}) -> this rank's rows of them
+    (int32 on `device`: host memory when pages are offloaded), what scoring keeps per block."""
+    count = branch.padded_length // layout.size
+    own = {}
+    for layer, sel in selections.items():
+        rows = sel[layout.rank * count:(layout.rank + 1) * count]
+        own[layer] = rows.to(device=device, dtype=torch.int32, copy=True)
+        if own[layer].device.type == "cpu" and device is not None:
+            note_host(own[layer])
+    return own
+
+
+def gather_selections(selections: dict[int, torch.Tensor], length: int, cfg: LongStrawConfig,
+                      layout: CPLayout) -> dict[int, torch.Tensor]:
+    """`score_member`'s selections (this rank's rows) -> the whole member's [R_pad, k] on every
+    rank, in row order (tests and tools; collective under CP)."""
+    if layout.size == 1:
+        return selections
+    order = torch.cat([CPLayout(None, layout.size, r).own_branch_rows(length, cfg.response_block)
+                       for r in range(layout.size)])
+    out = {}
+    for layer, sel in selections.items():
+        every = collectives.gather_tensor(sel.contiguous(), layout)
+        whole = torch.empty_like(every)
+        whole[order.to(every.device)] = every
+        out[layer] = whole
+    return out
 
 
 def _run_layers(model, captured: CapturedPrompt, branch: Branch, state: AttentionPass,
@@ -209,10 +246,11 @@ class _Blocks:
 
 
 def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: LongStrawConfig,
-                    selections: dict | None, routed_experts, head: bool):
+                    selections: dict | None, routed_experts, head: bool, keep_on=None):
     """No autograd: a blockwise branch's blocks in order, each over the prompt's pages and the
     earlier blocks' state, which then gains its own. -> (`_Blocks`, per block: log-probs [c] of
-    this rank's rows (`head`) or None, and the selections the block used)."""
+    this rank's rows (`head`) or None, and this rank's rows of the selections the block used,
+    moved to `keep_on` after the block)."""
     device = blocks[0].input_ids.device
     kept = _Blocks(model, captured, device)
     logps, chosen = [], []
@@ -225,7 +263,7 @@ def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: 
             logps.append(head_logprobs(model, hidden, block.targets) if head else None)
         if index + 1 < len(blocks):
             kept.keep(view, block)
-        chosen.append(state.selections)
+        chosen.append(_own_selections(state.selections, block, captured.layout, keep_on))
     return kept, logps, chosen
 
 
@@ -241,7 +279,7 @@ def _gather_blocks(values: list[torch.Tensor], blocks: list[Branch],
     return whole[:blocks[0].length]
 
 
-def _join_selections(chosen: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+def _join_selections(chosen: list[dict[int, torch.Tensor]], host: bool) -> dict[int, torch.Tensor]:
     """Per block {layer: [rows, k_b]} -> {layer: [all rows, k]}: a block whose keys were fewer
     than the top-k has a narrower selection, widened with -1 (none)."""
     if len(chosen) == 1:
@@ -250,8 +288,14 @@ def _join_selections(chosen: list[dict[int, torch.Tensor]]) -> dict[int, torch.T
     for layer in chosen[0]:
         parts = [c[layer] for c in chosen]
         width = max(p.shape[1] for p in parts)
-        joined[layer] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1)
-                                   for p in parts])
+        out = parts[0].new_full((sum(p.shape[0] for p in parts), width), -1)
+        if host:
+            note_host(out)
+        row = 0
+        for part in parts:
+            out[row:row + part.shape[0], :part.shape[1]] = part
+            row += part.shape[0]
+        joined[layer] = out
     return joined
 
 
@@ -260,29 +304,29 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                  routed_experts: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
-    selections it used (global key positions, int32, kept in host memory when pages are offloaded:
-    all G members' selections wait for replay, [R, top-k] per full indexer layer each). A response
-    longer than `cfg.response_block` runs block by block (`_forward_blocks`: each block over the
-    earlier blocks' state in host pages; the same log-probs and selections).
+    selections it used: this rank's rows of them (global key positions, int32, kept in host memory
+    when pages are offloaded: all G members' selections wait for replay, [R_pad / CP, top-k] per
+    full indexer layer each; every rank selects for every row of a block, and keeps its share,
+    `CPLayout.own_branch_rows`; `gather_selections` gives the whole member's). A response longer
+    than `cfg.response_block` runs block by block (`_forward_blocks`: each block over the earlier
+    blocks' state in host pages; the same log-probs and selections).
 
-    Routing replay (routing_replay.py): `selections` (the engine's, {full indexer layer: [R
-    padded, k]}) are used instead of computed ones, and returned; `routed_experts` [R, L, k]
-    route this rank's rows in every MoE layer."""
+    Routing replay (routing_replay.py): `selections` (the engine's, this rank's rows as
+    `routing_replay.member_inputs` gives them) are used instead of computed ones, and returned;
+    `routed_experts` [R, L, k] route this rank's rows in every MoE layer."""
     blocks = member_blocks(captured, response_ids, cfg)
+    keep = "cpu" if cfg.offload_pages else None
     if len(blocks) == 1:
         branch = blocks[0]
         state = _pass(captured, branch, cfg, selections=selections, mode="score")
         with (torch.no_grad(),
               routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
             logps = [_run_branch(model, captured, branch, state, checkpoint_layers=False)]
-        chosen = [state.selections]
+        chosen = [_own_selections(state.selections, branch, captured.layout, keep)]
     else:
         _, logps, chosen = _forward_blocks(model, captured, blocks, cfg, selections,
-                                           routed_experts, head=True)
-    keep = "cpu" if cfg.offload_pages else None
-    selections = {layer: sel.to(device=keep, dtype=torch.int32)
-                  for layer, sel in _join_selections(chosen).items()}
-    return _gather_blocks(logps, blocks, captured), selections
+                                           routed_experts, head=True, keep_on=keep)
+    return _gather_blocks(logps, blocks, captured), _join_selections(chosen, keep == "cpu")
 
 
 class ReplayedMember(NamedTuple):

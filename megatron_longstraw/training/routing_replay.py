@@ -187,14 +187,18 @@ def replay_routing(model, routed_experts: torch.Tensor | None, rows: slice,
             router.router_replay = previous
 
 
-def member_inputs(model, group, i: int, prefix_len: int, layout):
+def member_inputs(model, group, i: int, prefix_len: int, layout, response_block: int):
     """(engine selections or None, routed experts or None) of member i, as score_member and
-    replay_member take them."""
+    replay_member take them: the selections are this rank's rows of the (blockwise) branch
+    (`CPLayout.own_branch_rows`), as scoring returns its own."""
     dsa = group.dsa_topk[i] if getattr(group, "dsa_topk", None) is not None else None
     routed = (group.routed_experts[i] if getattr(group, "routed_experts", None) is not None
               else None)
     selections = None
     if dsa is not None:
-        _, _, padded = layout.branch_rows(int(group.response_ids[i].numel()))
-        selections = engine_selections(model, dsa, prefix_len, padded)
+        length = int(group.response_ids[i].numel())
+        _, _, padded = layout.branch_rows(length)
+        rows = layout.own_branch_rows(length, response_block)
+        selections = {layer: sel[rows] for layer, sel in
+                      engine_selections(model, dsa, prefix_len, padded).items()}
     return selections, routed

@@ -65,7 +65,8 @@ class StepResult:
     """The kinds of `page_bytes_by_kind` whose size does not grow with the prompt (recurrent
     state); every other kind holds rows per prompt token."""
     selections: list[dict[int, torch.Tensor]] = field(default_factory=list)
-    """Per member: each full indexer layer's top-k (global key positions) from scoring."""
+    """Per member: each full indexer layer's top-k (global key positions) from scoring, this
+    rank's rows of the branch (`replay.gather_selections` gives the whole member's)."""
     skipped: bool = False
     """train_step: the loss or the gradient was NaN / inf on some rank, so the optimizer did not
     step (gradients dropped, weights and optimizer state untouched)."""
@@ -190,7 +191,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     with memory.phase("scoring"):
         # Routing replay: the engine's DSA selections / MoE routing, when the group has them.
         engine = [routing_replay.member_inputs(model, group, i, captured.prefix_len,
-                                               captured.layout)
+                                               captured.layout, cfg.response_block)
                   for i in range(len(group.response_ids))]
         scored = [score_member(model, captured, r, cfg, *engine[i])
                   for i, r in enumerate(group.response_ids)]

@@ -82,7 +82,8 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
             with torch.no_grad():
                 captured = capture_prompt(model, group.prompt_ids, cfg)
                 logps = [score_member(model, captured, r, cfg, *routing_replay.member_inputs(
-                             model, group, i, captured.prefix_len, captured.layout))[0]
+                             model, group, i, captured.prefix_len, captured.layout,
+                             cfg.response_block))[0]
                          for i, r in enumerate(group.response_ids)]
             del captured
         except ValueError as exc:
