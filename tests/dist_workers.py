@@ -433,3 +433,30 @@ def blockwise_worker(rank, cases, lens, settings):
                          "loss": result.loss, "stats": result.stats})
         outs.append(runs)
     return outs
+
+
+def response_peaks_worker(rank, cases, settings, lengths, blocks):
+    """One GRPO step per response length and setting on CP (x EP) ranks (`cases`: (family, cp,
+    ep, weights path)), a prompt of 32 tokens and two members of each length: each phase's own
+    peak (live-bytes meter, host storage left out), after a warm-up step (the last setting)."""
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.runtime.memory import LiveBytesMeter
+    from megatron_longstraw.training.schedule import forward_backward_longstraw
+
+    def peaks(model, cfg, response_len, overrides):
+        group = _group(cfg, 32, (response_len, response_len), seed=response_len)
+        ls = LongStrawConfig(group_size=2, max_response_len=response_len, **blocks, **overrides)
+        with LiveBytesMeter("cpu", exclude_host=True) as meter:
+            forward_backward_longstraw(model, group, ls)
+        own = {}
+        for phase in meter.phases:
+            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+        return own
+
+    outs = []
+    for family, cp, ep, state_path in cases:
+        cfg, model, _ = _case_model(family, cp, ep, state_path)
+        peaks(model, cfg, lengths[0], settings[-1])                   # warm-up
+        runs = [[peaks(model, cfg, n, overrides) for n in lengths] for overrides in settings]
+        outs.append(runs)
+    return outs

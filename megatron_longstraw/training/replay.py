@@ -65,15 +65,23 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor, start: int
     per_rank = (end - start) // layout.size
     rows = slice(start + layout.rank * per_rank, start + (layout.rank + 1) * per_rank)
     device = response_ids.device
-    first = torch.tensor([captured.last_token], dtype=response_ids.dtype, device=device)
-    pad = torch.zeros(max(end - length, 0), dtype=response_ids.dtype, device=device)
-    input_ids = torch.cat([first, response_ids[:-1], pad])
-    targets = torch.cat([response_ids, pad])
+
+    def tokens(lo: int, hi: int) -> torch.Tensor:
+        """Response tokens [lo, hi), zeros past the response (padding): this block's only."""
+        part = response_ids[min(lo, length):min(hi, length)]
+        return torch.cat([part, part.new_zeros(hi - lo - part.numel())])
+
+    # Row j reads token j - 1 of the response (row 0: the prompt's last token) and scores token j.
+    if rows.start == 0:
+        first = torch.tensor([captured.last_token], dtype=response_ids.dtype, device=device)
+        input_ids = torch.cat([first, tokens(0, rows.stop - 1)])
+    else:
+        input_ids = tokens(rows.start - 1, rows.stop - 1)
     positions = torch.arange(captured.prefix_len + rows.start, captured.prefix_len + rows.stop,
                              device=device)
     valid = torch.arange(rows.start, rows.stop, device=device) < length
-    return Branch(input_ids[rows], targets[rows], positions, valid, rows, length, end - start,
-                  start)
+    return Branch(input_ids, tokens(rows.start, rows.stop), positions, valid, rows, length,
+                  end - start, start)
 
 
 def member_blocks(captured: CapturedPrompt, response_ids: torch.Tensor,
@@ -263,7 +271,8 @@ def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: 
             logps.append(head_logprobs(model, hidden, block.targets) if head else None)
         if index + 1 < len(blocks):
             kept.keep(view, block)
-        chosen.append(_own_selections(state.selections, block, captured.layout, keep_on))
+        if head:                       # scoring keeps them for replay; replay has them
+            chosen.append(_own_selections(state.selections, block, captured.layout, keep_on))
     return kept, logps, chosen
 
 
