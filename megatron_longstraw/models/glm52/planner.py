@@ -178,10 +178,12 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
               Item("the earlier blocks' positions [R/CP] int64 x2 (kept + the view's cat) and the "
                    "member's log-probs [R/CP] fp32 (per block, kept)",
                    16 * earlier + rows * acc)]
-    # Every member's DSA selections wait for replay in host memory, as int32 (replay.score_member).
+    # Every member's DSA selections wait for replay in host memory, as int32, this rank's rows
+    # of them (replay.score_member; replay gathers a block's rows from the ranks).
     branch_kinds = glm52_pages(cfg, b, b)              # the branch's own pages: the model's dtype
-    host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R, topk] int32",
-                                spec.group_size * cfg.num_full_indexer_layers() * r_pad * k * 4,
+    host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R/CP, topk] "
+                                "int32 (this rank's rows)",
+                                spec.group_size * cfg.num_full_indexer_layers() * rows * k * 4,
                                 measured=True)]
     host += branch_host_pages(branch_kinds, blk, spec.page_tokens,
                               lambda kind: kind.row_bytes * acc / b)
@@ -199,13 +201,13 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
              (n + earlier + q) * (di * b + 8) if cp == 1 else 0),
         Item("scoring LM head (chunked): logits and log-softmax [min(R/CP, 1024), vocab] fp32",
              head_chunk_bytes(cfg, c, acc, 2)),
-        # The pass keeps every full indexer layer's selection of the member until scoring ends
-        # (state.selections; replay._forward_blocks keeps each block's on the device, then
-        # replay.score_member moves them to host memory); the current layer's top-k is int64
-        # while its attention runs. Under CP every rank holds every row's.
-        Item("the member's DSA selections: full indexer layers x [R_pad, topk] int32 + the "
-             "current block's int64 (on the device until scoring ends)",
-             cfg.num_full_indexer_layers() * 4 * r_pad * k + 8 * q * k),
+        # The pass keeps every full indexer layer's selection of the block's rows (under CP
+        # every rank selects for all of them) until the block ends, when this rank's rows go to
+        # host memory (replay._own_selections); the current layer's top-k is int64 while its
+        # attention runs.
+        Item("the block's DSA selections: full indexer layers x [block, topk] int32 + the "
+             "current layer's int64",
+             cfg.num_full_indexer_layers() * 4 * q * k + 8 * q * k),
         # Under CP every rank gathers the block's rows (attention.py, _replay_context_parallel):
         # queries, index queries and weights, index keys, latents; and attends them all, its
         # partial outputs and lses before the merge.
