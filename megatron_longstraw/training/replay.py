@@ -5,12 +5,23 @@ its outputs score `y_1 .. y_R`. Scoring runs the branch without autograd and rec
 indexer layer's top-k ("indexer replay"); replay runs it again under autograd with those selections,
 every decoder layer wrapped in activation checkpointing, computes the member's loss and its
 statistics (once) and backpropagates the loss before the next member starts. Live autograd memory
-is one branch, whatever P and G. When the group carries the engine's DSA selections or MoE routing
-(routing replay, routing_replay.py), scoring uses them and replay reuses them.
+is one block of one branch, whatever P, R and G. When the group carries the engine's DSA
+selections or MoE routing (routing replay, routing_replay.py), scoring uses them and replay
+reuses them.
 
-Under context parallelism each rank owns a contiguous share of the branch rows (padded to equal
-shares) for token-wise work and the loss; attention exchanges queries and partial outputs
-(`models/context_parallel.py`); the shares' losses and statistics are combined after backward.
+Blocks. A branch longer than `LongStrawConfig.response_block` runs in blocks (`member_blocks`):
+scoring runs them in order without autograd, each block's pass (`AttentionPass.branch`) reading
+the earlier blocks' state from host pages (`_Blocks`: their key rows, GDN's carried state) and
+handing its own to them. Replay runs the same forward, then walks the blocks in reverse: each
+block is recomputed under autograd over the earlier blocks' rows (their cotangents go to buffers
+beside them) and one backward takes the block's loss plus the cotangents later blocks left on
+its own state; then its rows are dropped. The same update as the whole branch
+(tests/test_blockwise_replay.py), device memory bounded by a block (test_blockwise_memory.py).
+
+Under context parallelism each rank owns a contiguous share of every block's rows (padded to
+equal shares; one block: of the branch) for token-wise work and the loss; attention exchanges a
+block's queries and partial outputs (`models/context_parallel.py`); the shares' losses and
+statistics are combined after backward. The DSA selections scoring keeps are this rank's rows.
 """
 
 from __future__ import annotations
