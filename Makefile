@@ -83,10 +83,11 @@ test: $(VENV)/.installed
 # plus capture against a no-grad forward at 4K and 32K (3 pairs each, median); runs/bench/bench-sweep.{md,json}.
 # About an hour, one point at a time (LongStraw at 128K and conventional at 32K and 64K take most).
 # Then the measured largest-R table (README "Benchmark"): P = 4096, G = 2, LongStraw blockwise
-# (response_block 2048) and conventional at R = 2K..32K, each until its first point over a 1.25 GiB
+# (response_block 2048) and conventional at R = 2K..16K, each until its first point over a 1.25 GiB
 # RSS cap, LongStraw's live bytes per phase from a second run with the meter; and blockwise
 # (R / 4 per block) against whole-branch replay seconds at R = 4K and 8K (3 pairs each, median);
-# runs/bench/bench-response.{md,json}. About 40 minutes (LongStraw at 32K takes most).
+# runs/bench/bench-response.{md,json}. About 20 minutes on an idle machine (the step time grows
+# ~4x per doubling of R for both methods: --response-points 2048,...,32768 takes about 40).
 # The quick comparison (tiny GLM-5.2, largest P predicted, not measured): tools/bench.py --quick.
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3

@@ -2,6 +2,7 @@
 weights, same data.
 
     python tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3   # `make bench`: measured largest-P table
+    python tools/bench.py --response-sweep --cap-gib 1.25 --timing-repeats 3   # and the largest-R table
     python tools/bench.py --quick                       # under 5 minutes
     python tools/bench.py --points 4096,8192,16384 --groups 2,8 --cap-gib 4 --json runs/bench/bench.json
 
@@ -49,6 +50,20 @@ the machine moves least); `--timing-repeats N` adds pairs at the end and reports
 Output: runs/bench/bench-sweep.{json,md} (the JSON rewritten after every point);
 `--from-json a.json,b.json` renders the table again from saved runs (b's points replace a's; b's
 cap), `--timing-json c.json` adds c's capture / forward pairs as repeats.
+
+The measured largest-R table (`--response-sweep`, also in `make bench`; the same model): at P =
+`--response-sweep-prompt` (4096) and G = 2, every response R tokens, LongStraw with
+`response_block` = `--response-block` (default 2048: a response longer than it is scored and
+replayed block by block, training/replay.py) and conventional at growing R (`--response-points`),
+each until its first point over `--cap-gib` (the same watchdog). These capacity runs have no
+live-bytes meter (its record of allocation events grows with the step's allocations and with it
+the RSS, more for LongStraw's many block-sized ones: at R = 8K, 1,403 against 946 MiB); at every R
+where LongStraw fitted it runs again with the meter, uncapped, host storage left out
+(`exclude_host`: what a device would hold), for its live bytes per phase. Then blockwise replay
+(`response_block` R / 4, four blocks) against the whole branch (`response_block` R) at
+`--replay-timing-points`, `--timing-repeats` pairs run back to back, no meter: the replay phase's
+seconds and the median of the pairs' ratios (goal: within x1.3). Output:
+runs/bench/bench-response.{json,md}.
 
 Prediction (the other modes, not the sweep): the largest P under `--cap-gib` is *predicted* from
 measured growth: the peak RSS of the largest measured P plus a least-squares slope over the points
@@ -998,10 +1013,11 @@ def parse_args(argv=None):
                         "(response_block R/4) against whole-branch (response_block R) replay time "
                         "at --replay-timing-points, --timing-repeats pairs; model "
                         "examples/glm52/bench.yaml; runs/bench/bench-response.{json,md}")
-    p.add_argument("--response-points", default="2048,4096,8192,16384,32768",
+    p.add_argument("--response-points", default="2048,4096,8192,16384",
                    help="response sweep: R (the step time grows ~4x per doubling of R for both "
                         "methods here: the branch's indexer and attention are O(R^2); LongStraw "
-                        "at 32K takes about 10 minutes on one core, 64K would take about 40)")
+                        "at 16K takes about 3 minutes on an idle core, at 32K about 10, twice "
+                        "with the metered run)")
     p.add_argument("--response-sweep-prompt", type=int, default=4096)
     p.add_argument("--replay-timing-points", default="4096,8192",
                    help="response sweep: R at which blockwise and whole-branch replay are timed")
