@@ -359,3 +359,35 @@ def test_response_sweep_end_to_end_tiny(tmp_path):
     table = (tmp_path / "bench-response.md").read_text()
     assert "Largest measured R under the cap: LongStraw 16, conventional 16" in table
     assert "Wall time" in table and "R=16: blockwise (response_block 4, 4 blocks)" in table
+
+
+def test_merged_response_sweeps_extend_longstraw(tmp_path):
+    bench = _bench_module()
+    cap = 1000 * MiB
+    base = {"timing_points": [4096], "config": "c", "prompt_len": 4096, "group_size": 2,
+            "response_block": 2048, "cap_bytes": cap}
+    first = {"settings": {**base, "points": [2048, 4096, 8192]}, "summary": {"wall_seconds": 600},
+             "results": [_rpoint("longstraw", 2048, 800), _rpoint("longstraw", 4096, 810),
+                         _rpoint("longstraw", 8192, 820), _rpoint("conventional", 2048, 900),
+                         _rkilled("conventional", 4096, 1001),
+                         _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole"),
+                         _rpoint("longstraw", 4096, 800, "timing", 2.2, 1024, variant="blockwise")]}
+    # LongStraw alone at larger R (its limit was above the first file's points); a rerun of 8K.
+    more = {"settings": {**base, "points": [8192, 16384], "timing_points": []},
+            "summary": {"wall_seconds": 300},
+            "results": [_rpoint("longstraw", 8192, 830), _rkilled("longstraw", 16384, 1002)]}
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(more))
+    args = bench.parse_args(["--response-sweep", "--from-json",
+                             f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out-dir", str(tmp_path)])
+    s = bench.render_response_sweep(args)["summary"]
+    assert s["points"] == [2048, 4096, 8192, 16384]
+    assert s["largest_measured_under_cap"] == {"longstraw": 8192, "conventional": 2048}
+    assert s["first_over_cap"] == {"longstraw": 16384, "conventional": 4096}
+    rows = {row["response_len"]: row for row in s["rows"]}
+    assert rows[8192]["longstraw"]["peak_rss_bytes"] == 830 * MiB          # the later file's run
+    assert rows[16384]["conventional"] == {"status": "not run"}
+    assert s["replay_time"]["R=4096"]["ratio"] == pytest.approx(1.1)
+    table = (tmp_path / "bench-response-merged.md").read_text()
+    assert "| 16,384 | **exceeds cap** (killed at 1,002) |" in table
+    assert "wall time 10.0 min + 5.0 min" in table

@@ -899,6 +899,7 @@ def run_response_sweep(args) -> dict:
     json_path = Path(args.json) if args.json else out_dir / "bench-response.json"
     settings = {"points": points, "timing_points": timing_points, "prompt_len": prompt_len,
                 "group_size": group, "response_block": block, "timing_repeats": args.timing_repeats,
+                "methods": args.sweep_methods,
                 "family": args.family, "config": os.path.relpath(args.config, ROOT),
                 "cap_bytes": cap,
                 "cap_method": "watchdog: child killed when its RSS (read every 0.05 s) is above the "
@@ -926,7 +927,7 @@ def run_response_sweep(args) -> dict:
                                          "partial": True}, indent=2) + "\n")
         return r
 
-    for method in ("longstraw", "conventional"):
+    for method in [m for m in ("longstraw", "conventional") if m in args.sweep_methods.split(",")]:
         for r in sweep_until_over(points, lambda R: one(method, R, "capacity"), cap):
             if method == "longstraw" and fits_cap(r, cap):
                 # The meter's record inflates RSS: no cap on this run, its RSS is not the table's.
@@ -943,6 +944,35 @@ def run_response_sweep(args) -> dict:
     (out_dir / "bench-response.md").write_text(table)
     json_path.write_text(json.dumps({"results": results, "summary": summary, "settings": settings},
                                     indent=2) + "\n")
+    print(table)
+    return {"results": results, "summary": summary, "settings": settings}
+
+
+def render_response_sweep(args) -> dict:
+    """The largest-R table again from saved `--response-sweep` JSONs (`--response-sweep
+    --from-json a.json,b.json`), no runs: the union of their points; a later file's run replaces an
+    earlier one's of the same method, role, R, variant and repeat; the last file's cap."""
+    by, settings, walls = {}, None, []
+    for path in args.from_json.split(","):
+        data = json.loads(Path(path).read_text())
+        if settings is None:
+            settings = dict(data["settings"])
+        else:
+            settings["cap_bytes"] = data["settings"]["cap_bytes"]
+            for key in ("points", "timing_points"):
+                settings[key] = sorted(set(settings[key]) | set(data["settings"][key]))
+        walls.append(data.get("summary", {}).get("wall_seconds"))
+        for r in data["results"]:
+            key = (r["method"], r["role"], r["response_len"], r.get("variant"), r.get("repeat", 0))
+            by[key] = {**r, "source": path}
+    results = list(by.values())
+    summary = summarise_response_sweep(results, settings["cap_bytes"], settings["points"],
+                                       settings["timing_points"])
+    table = markdown_response_sweep(summary, settings) + "\n\nFrom " + args.from_json + (
+        "; wall time " + " + ".join(f"{w / 60:.1f} min" for w in walls if w) if any(walls) else "")
+    out = Path(args.out_dir) / "bench-response-merged.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
     print(table)
     return {"results": results, "summary": summary, "settings": settings}
 
@@ -1027,11 +1057,13 @@ def parse_args(argv=None):
                    help="sweep: pairs (forward, LongStraw) per --forward-points P; the ratio "
                         "reported is their median (the extra pairs run after the table's points)")
     p.add_argument("--sweep-methods", default="longstraw,conventional",
-                   help="sweep: longstraw alone skips conventional (e.g. a timing-only run)")
+                   help="sweep, response sweep: longstraw alone skips conventional (e.g. a "
+                        "timing-only run, or more R for LongStraw to merge with --from-json)")
     p.add_argument("--from-json", default=None,
                    help="sweep: no runs; the table again from saved sweep JSONs (comma-separated; a "
                         "later file's point replaces an earlier one's at the same method and P; the "
-                        "last file's cap)")
+                        "last file's cap); with --response-sweep the same for its JSONs "
+                        "(runs/bench/bench-response-merged.md)")
     p.add_argument("--timing-json", default=None,
                    help="with --from-json: sweep JSONs whose capture / forward pairs are added as "
                         "further repeats (their other points are not used)")
@@ -1085,7 +1117,7 @@ def main(argv=None) -> dict:
         print("BENCH_JSON " + json.dumps(run_one(args)), flush=True)
         return {}
     if args.from_json:
-        return render_sweep(args)
+        return render_response_sweep(args) if args.response_sweep else render_sweep(args)
     if args.sweep:
         return run_sweep(args)
     if args.response_sweep:
