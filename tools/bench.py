@@ -916,8 +916,9 @@ def run_response_sweep(args) -> dict:
                       child_flags=flags)
         r.update(role=role, response_len=R, **tags)
         status = r.get("error") or (f"peak RSS {r['peak_rss_bytes'] / MiB:.0f} MiB, "
-                                    f"{r['step_seconds']:.1f} s, replay "
-                                    f"{r['phase_seconds'].get('replay', 0):.1f} s")
+                                    f"{r['step_seconds']:.1f} s" + (
+                                        f", replay {r['phase_seconds']['replay']:.1f} s"
+                                        if "replay" in r["phase_seconds"] else ""))
         label = f"{method} {role} {tags.get('variant', '')}".strip()
         shown_block = "-" if method == "conventional" else block_
         repeat = f" (repeat {tags['repeat']})" if tags.get("repeat") else ""
