@@ -86,8 +86,9 @@ test: $(VENV)/.installed
 # (response_block 2048) and conventional at R = 2K..16K, each until its first point over a 1.25 GiB
 # RSS cap, LongStraw's live bytes per phase from a second run with the meter; and blockwise
 # (R / 4 per block) against whole-branch replay seconds at R = 4K and 8K (3 pairs each, median);
-# runs/bench/bench-response.{md,json}. About 20 minutes on an idle machine (the step time grows
-# ~4x per doubling of R for both methods: --response-points 2048,...,32768 takes about 40).
+# runs/bench/bench-response.{md,json}. About 20 minutes (measured under load from other work on
+# the 2 cores); --response-points ...,32768,65536 adds LongStraw at 32K and 64K (its step time
+# about doubles per doubling of R, twice per point with the metered run): about 25 minutes more.
 # The quick comparison (tiny GLM-5.2, largest P predicted, not measured): tools/bench.py --quick.
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3

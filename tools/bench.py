@@ -1045,10 +1045,9 @@ def parse_args(argv=None):
                         "at --replay-timing-points, --timing-repeats pairs; model "
                         "examples/glm52/bench.yaml; runs/bench/bench-response.{json,md}")
     p.add_argument("--response-points", default="2048,4096,8192,16384",
-                   help="response sweep: R (the step time grows ~4x per doubling of R for both "
-                        "methods here: the branch's indexer and attention are O(R^2); LongStraw "
-                        "at 16K takes about 3 minutes on an idle core, at 32K about 10, twice "
-                        "with the metered run)")
+                   help="response sweep: R (LongStraw's step about doubles per doubling of R, "
+                        "conventional's grows up to 4x: 16K about 1.5 minutes for LongStraw, 4 "
+                        "for conventional; LongStraw runs twice per point, with the meter)")
     p.add_argument("--response-sweep-prompt", type=int, default=4096)
     p.add_argument("--replay-timing-points", default="4096,8192",
                    help="response sweep: R at which blockwise and whole-branch replay are timed")
