@@ -20,10 +20,19 @@ $(VENV)/.installed: setup.py $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	touch $@
 
-# make demo [MODEL=glm52|qwen36|deepseekv3] [NPROC=4] [PROMPT_LEN=32768]
+# make demo [MODEL=glm52|qwen36|deepseekv3] [NPROC=4] [PROMPT_LEN=32768] [RESPONSE_LEN=16384 [RESPONSE_BLOCK=4096]]
 MODEL ?= glm52
 NPROC ?= 4
 PROMPT_LEN ?= 32768
+# Long responses: every member's synthetic response up to RESPONSE_LEN tokens (the longest
+# accepted raised to it), scored and replayed in blocks of RESPONSE_BLOCK (training/replay.py).
+# Unset (the default), the demo runs exactly as before: the tiny configs' responses.
+RESPONSE_LEN ?=
+RESPONSE_BLOCK ?= 4096
+ifneq ($(RESPONSE_LEN),)
+RESPONSE_ARGS := --longstraw-synthetic-response-len $(RESPONSE_LEN) \
+	--longstraw-max-response-len $(RESPONSE_LEN) --longstraw-response-block $(RESPONSE_BLOCK)
+endif
 MODELS := glm52 qwen36 deepseekv3
 ifeq ($(filter $(MODEL),$(MODELS)),)
 $(error MODEL=$(MODEL): choose one of $(MODELS))
@@ -32,7 +41,7 @@ endif
 # One LongStraw GRPO step (G = 4) through the Megatron-style launcher, NPROC processes, CP = NPROC.
 LAUNCH = OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone \
 	--nproc-per-node $(NPROC) examples/pretrain_gpt.py --longstraw --context-parallel-size $(NPROC) \
-	--train-iters 1 --lr 1e-4 --clip-grad 1.0 --seed 1234 --longstraw-group-size 4
+	--train-iters 1 --lr 1e-4 --clip-grad 1.0 --seed 1234 --longstraw-group-size 4 $(RESPONSE_ARGS)
 
 demo: demo-$(MODEL)
 
@@ -73,9 +82,17 @@ test: $(VENV)/.installed
 # until it passes a 2.5 GiB RSS cap, one process each, bench-size GLM-5.2 (examples/glm52/bench.yaml),
 # plus capture against a no-grad forward at 4K and 32K (3 pairs each, median); runs/bench/bench-sweep.{md,json}.
 # About an hour, one point at a time (LongStraw at 128K and conventional at 32K and 64K take most).
+# Then the measured largest-R table (README "Benchmark"): P = 4096, G = 2, LongStraw blockwise
+# (response_block 2048) and conventional at R = 2K..16K, each until its first point over a 1.25 GiB
+# RSS cap, LongStraw's live bytes per phase from a second run with the meter; and blockwise
+# (R / 4 per block) against whole-branch replay seconds at R = 4K and 8K (3 pairs each, median);
+# runs/bench/bench-response.{md,json}. About 20 minutes (measured under load from other work on
+# the 2 cores); --response-points ...,32768,65536 adds LongStraw at 32K and 64K (its step time
+# about doubles per doubling of R, twice per point with the metered run): about 25 minutes more.
 # The quick comparison (tiny GLM-5.2, largest P predicted, not measured): tools/bench.py --quick.
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3
+	$(PY) tools/bench.py --response-sweep --cap-gib 1.25 --timing-repeats 3
 
 # Detached vs exact prompt gradient (tiny GLM-5.2, one process): JSON, table, TensorBoard and a
 # PNG in runs/gradient-bias/.

@@ -230,3 +230,164 @@ def test_merged_sweeps_take_later_points_and_the_last_cap(tmp_path):
     assert s["cap_bytes"] == 2000 * MiB and s["points"] == [4096, 8192, 16384]
     assert s["largest_measured_under_cap"] == {"longstraw": 16384, "conventional": 8192}
     assert s["first_over_cap"]["conventional"] == 16384
+
+
+# ---- the measured largest-R sweep: summary and table on synthetic results ------------------------
+
+
+def _rpoint(method, R, rss_mib, role="capacity", replay=1.0, block=2048, **tags):
+    return {"method": method, "prompt_len": 4096, "group_size": 2, "response_len": R,
+            "response_block": None if method == "conventional" else block, "role": role,
+            "peak_rss_bytes": rss_mib * MiB, "step_seconds": 3.0 + replay,
+            "phase_seconds": {"capture": 1.0, "scoring": 2.0, "replay": replay}, **tags}
+
+
+def _rkilled(method, R, rss_mib):
+    return {"method": method, "prompt_len": 4096, "group_size": 2, "response_len": R,
+            "role": "capacity", "exceeded_cap": True, "killed_at_rss_bytes": rss_mib * MiB,
+            "error": "exceeded the cap"}
+
+
+def test_summarise_response_sweep_largest_r_live_bytes_and_replay_ratio():
+    bench = _bench_module()
+    cap = 1000 * MiB
+    live = lambda R, rep: {**_rpoint("longstraw", R, 1500, role="live"),
+                           "live_phase_bytes": {"capture": 10 * MiB, "scoring": 20 * MiB,
+                                                "replay": rep * MiB},
+                           "live_host_peak_bytes": 7 * MiB}
+    results = [
+        _rpoint("longstraw", 2048, 800), live(2048, 30),
+        _rpoint("longstraw", 4096, 850), live(4096, 31),
+        _rpoint("longstraw", 8192, 990),                         # fitted; its meter run failed
+        {"method": "longstraw", "response_len": 8192, "role": "live", "error": "exit 1: boom"},
+        _rkilled("longstraw", 16384, 1001),
+        _rpoint("conventional", 2048, 900),
+        _rpoint("conventional", 4096, 1200),                      # ran to the end, over the cap
+        # Timing pairs at R = 4096: whole branch (block 4096) and 4 blocks (block 1024).
+        _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole", repeat=0),
+        _rpoint("longstraw", 4096, 800, "timing", 2.4, 1024, variant="blockwise", repeat=0),
+        _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole", repeat=1),
+        _rpoint("longstraw", 4096, 800, "timing", 3.0, 1024, variant="blockwise", repeat=1),
+        _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole", repeat=2),
+        _rpoint("longstraw", 4096, 800, "timing", 2.2, 1024, variant="blockwise", repeat=2),
+        # A blockwise run without its whole-branch pair is not a pair.
+        _rpoint("longstraw", 8192, 800, "timing", 9.0, 2048, variant="blockwise", repeat=0),
+    ]
+    points = [2048, 4096, 8192, 16384, 32768]
+    s = bench.summarise_response_sweep(results, cap, points, [4096, 8192])
+    assert s["largest_measured_under_cap"] == {"longstraw": 8192, "conventional": 2048}
+    assert s["first_over_cap"] == {"longstraw": 16384, "conventional": 4096}
+    assert s["largest_measured_ratio"] == 4
+    rows = {row["response_len"]: row for row in s["rows"]}
+    # The capacity run's RSS (800 MiB), not the meter run's (1500 MiB); the meter run's live bytes.
+    assert rows[2048]["longstraw"]["peak_rss_bytes"] == 800 * MiB
+    assert rows[4096]["longstraw"]["live_phase_bytes"]["replay"] == 31 * MiB
+    assert "live_phase_bytes" not in rows[8192]["longstraw"]
+    assert rows[16384]["longstraw"] == {"status": "exceeds cap", "rss_bytes": 1001 * MiB}
+    assert rows[4096]["conventional"] == {"status": "exceeds cap", "rss_bytes": 1200 * MiB}
+    assert rows[8192]["conventional"] == {"status": "not run"}
+    assert rows[32768]["longstraw"] == {"status": "not run"}
+    t = s["replay_time"]["R=4096"]
+    assert t["pairs"] == 3 and t["whole_block"] == 4096 and t["blockwise_block"] == 1024
+    assert t["ratios"] == pytest.approx([1.2, 1.5, 1.1])
+    assert t["ratio"] == pytest.approx(1.2) and t["within_goal"]        # median of the pairs
+    assert t["blockwise_median"] == 2.4 and t["whole_median"] == 2.0
+    assert "error" in s["replay_time"]["R=8192"]
+    table = bench.markdown_response_sweep(s, {"config": "examples/glm52/bench.yaml",
+                                              "prompt_len": 4096, "group_size": 2,
+                                              "response_block": 2048})
+    assert "| 2,048 | 800 | 4.0 | 2.0 | 1.0 | 10.0 / 20.0 / 30.0 | 7.0 | 900 | 4.0 |" in table
+    assert "| 8,192 | 990 | 4.0 | 2.0 | 1.0 | not measured |  | not run (over the cap at R = 4,096) |  |" in table
+    assert "| 16,384 | **exceeds cap** (killed at 1,001) |" in table
+    assert "| 32,768 | not run (over the cap at R = 16,384) |" in table
+    assert "LongStraw 8,192, conventional 2,048 (x4); first over the cap: LongStraw R = 16,384, " \
+        "conventional R = 4,096." in table
+    assert s["limit_above_points"] == {"longstraw": False, "conventional": False}
+    assert "4 blocks" in table and "x1.200 (pairs: 1.200, 1.500, 1.100) within x1.3" in table
+    assert "- R=8192: blockwise or whole-branch run missing" in table
+    # LongStraw fitting at every R tried: its limit is above the points, the ratio a lower bound.
+    fitted = [r for r in results if r["response_len"] < 16384 or r["method"] != "longstraw"]
+    fitted.append(_rpoint("longstraw", 16384, 995))
+    s = bench.summarise_response_sweep(fitted, cap, [2048, 4096, 8192, 16384], [])
+    assert s["limit_above_points"] == {"longstraw": True, "conventional": False}
+    assert s["largest_measured_under_cap"]["longstraw"] == 16384
+    assert ("LongStraw 16,384, conventional 2,048 (at least x8); first over the cap: LongStraw not "
+            "reached (it fitted at every R run, up to 16,384") in bench.markdown_response_sweep(
+        s, {"config": "c", "prompt_len": 4096, "group_size": 2, "response_block": 2048})
+    # Over the goal: said so.
+    slow = [r for r in results if r.get("variant") != "blockwise" or r["response_len"] != 4096]
+    slow.append(_rpoint("longstraw", 4096, 800, "timing", 2.8, 1024, variant="blockwise", repeat=0))
+    s = bench.summarise_response_sweep(slow, cap, points, [4096])
+    assert s["replay_time"]["R=4096"]["ratio"] == pytest.approx(1.4)
+    assert "NOT within x1.3" in bench.markdown_response_sweep(
+        s, {"config": "c", "prompt_len": 4096, "group_size": 2, "response_block": 2048})
+
+
+def test_response_sweep_end_to_end_tiny(tmp_path):
+    """The sweep's wiring on the tiny GLM-5.2 at P = 64 (fresh children, flags, JSON, table): the
+    blockwise runs really ran with the block asked for, the capacity runs without the meter."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--response-sweep", "--config",
+         str(ROOT / "examples" / "glm52" / "tiny.yaml"), "--out-dir", str(tmp_path),
+         "--response-sweep-prompt", "64", "--groups", "2", "--response-points", "16",
+         "--response-block", "8", "--replay-timing-points", "16", "--timing-repeats", "1",
+         "--cap-gib", "64"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "bench-response.json").read_text())
+    assert not any("error" in r for r in data["results"]), data["results"]
+    roles = sorted((r["method"], r["role"], r.get("variant", "")) for r in data["results"])
+    assert roles == [("conventional", "capacity", ""), ("longstraw", "capacity", ""),
+                     ("longstraw", "live", ""), ("longstraw", "timing", "blockwise"),
+                     ("longstraw", "timing", "whole")]
+    for r in data["results"]:
+        assert r["response_lens"] == [r["response_len"]] * 2
+        if r["role"] == "capacity":
+            assert r["live_peak_bytes"] is None                       # no meter on the cap runs
+        if r["role"] == "live":
+            assert r["live_excludes_host"] and set(r["live_phase_bytes"]) == {
+                "capture", "scoring", "replay"}
+    timing = {r["variant"]: r for r in data["results"] if r["role"] == "timing"}
+    assert timing["whole"]["response_block"] == 16 and timing["blockwise"]["response_block"] == 4
+    # Same data and weights: whole-branch and 4 blocks score the same log-probs (fp32).
+    diff = max(abs(a - b) for x, y in zip(timing["whole"]["logps"], timing["blockwise"]["logps"])
+               for a, b in zip(x, y))
+    assert diff <= 1e-5
+    s = data["summary"]
+    assert s["largest_measured_under_cap"] == {"longstraw": 16, "conventional": 16}
+    assert s["replay_time"]["R=16"]["pairs"] == 1
+    table = (tmp_path / "bench-response.md").read_text()
+    assert "Largest measured R under the cap: LongStraw 16, conventional 16" in table
+    assert "Wall time" in table and "R=16: blockwise (response_block 4, 4 blocks)" in table
+
+
+def test_merged_response_sweeps_extend_longstraw(tmp_path):
+    bench = _bench_module()
+    cap = 1000 * MiB
+    base = {"timing_points": [4096], "config": "c", "prompt_len": 4096, "group_size": 2,
+            "response_block": 2048, "cap_bytes": cap}
+    first = {"settings": {**base, "points": [2048, 4096, 8192]}, "summary": {"wall_seconds": 600},
+             "results": [_rpoint("longstraw", 2048, 800), _rpoint("longstraw", 4096, 810),
+                         _rpoint("longstraw", 8192, 820), _rpoint("conventional", 2048, 900),
+                         _rkilled("conventional", 4096, 1001),
+                         _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole"),
+                         _rpoint("longstraw", 4096, 800, "timing", 2.2, 1024, variant="blockwise")]}
+    # LongStraw alone at larger R (its limit was above the first file's points); a rerun of 8K.
+    more = {"settings": {**base, "points": [8192, 16384], "timing_points": []},
+            "summary": {"wall_seconds": 300},
+            "results": [_rpoint("longstraw", 8192, 830), _rkilled("longstraw", 16384, 1002)]}
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(more))
+    args = bench.parse_args(["--response-sweep", "--from-json",
+                             f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out-dir", str(tmp_path)])
+    s = bench.render_response_sweep(args)["summary"]
+    assert s["points"] == [2048, 4096, 8192, 16384]
+    assert s["largest_measured_under_cap"] == {"longstraw": 8192, "conventional": 2048}
+    assert s["first_over_cap"] == {"longstraw": 16384, "conventional": 4096}
+    rows = {row["response_len"]: row for row in s["rows"]}
+    assert rows[8192]["longstraw"]["peak_rss_bytes"] == 830 * MiB          # the later file's run
+    assert rows[16384]["conventional"] == {"status": "not run"}
+    assert s["replay_time"]["R=4096"]["ratio"] == pytest.approx(1.1)
+    table = (tmp_path / "bench-response-merged.md").read_text()
+    assert "| 16,384 | **exceeds cap** (killed at 1,002) |" in table
+    assert "wall time 10.0 min + 5.0 min" in table

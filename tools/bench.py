@@ -2,6 +2,7 @@
 weights, same data.
 
     python tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3   # `make bench`: measured largest-P table
+    python tools/bench.py --response-sweep --cap-gib 1.25 --timing-repeats 3   # and the largest-R table
     python tools/bench.py --quick                       # under 5 minutes
     python tools/bench.py --points 4096,8192,16384 --groups 2,8 --cap-gib 4 --json runs/bench/bench.json
 
@@ -49,6 +50,20 @@ the machine moves least); `--timing-repeats N` adds pairs at the end and reports
 Output: runs/bench/bench-sweep.{json,md} (the JSON rewritten after every point);
 `--from-json a.json,b.json` renders the table again from saved runs (b's points replace a's; b's
 cap), `--timing-json c.json` adds c's capture / forward pairs as repeats.
+
+The measured largest-R table (`--response-sweep`, also in `make bench`; the same model): at P =
+`--response-sweep-prompt` (4096) and G = 2, every response R tokens, LongStraw with
+`response_block` = `--response-block` (default 2048: a response longer than it is scored and
+replayed block by block, training/replay.py) and conventional at growing R (`--response-points`),
+each until its first point over `--cap-gib` (the same watchdog). These capacity runs have no
+live-bytes meter (its record of allocation events grows with the step's allocations and with it
+the RSS, more for LongStraw's many block-sized ones: at R = 8K, 1,403 against 946 MiB); at every R
+where LongStraw fitted it runs again with the meter, uncapped, host storage left out
+(`exclude_host`: what a device would hold), for its live bytes per phase. Then blockwise replay
+(`response_block` R / 4, four blocks) against the whole branch (`response_block` R) at
+`--replay-timing-points`, `--timing-repeats` pairs run back to back, no meter: the replay phase's
+seconds and the median of the pairs' ratios (goal: within x1.3). Output:
+runs/bench/bench-response.{json,md}.
 
 Prediction (the other modes, not the sweep): the largest P under `--cap-gib` is *predicted* from
 measured growth: the peak RSS of the largest measured P plus a least-squares slope over the points
@@ -164,6 +179,8 @@ def run_one(args) -> dict:
     model = family.build_model(cfg, params_dtype=torch.float32)
     ls = LongStrawConfig.from_yaml(args.config)
     ls.group_size, ls.max_response_len = args.group_size, args.response_len
+    if args.response_block:
+        ls.response_block = args.response_block
     # The blocks of the plain forward's implicit full pass (state.AttentionPass defaults), so both
     # methods hold the same indexer-score scratch.
     ls.query_block, ls.key_block = 1024, 4096
@@ -189,7 +206,8 @@ def run_one(args) -> dict:
     # This process's CPU seconds (user + sys; one thread) of the forward and of capture, next to
     # their wall seconds: the ratio that other load on the machine does not move.
     cpu_seconds: dict[str, float] = {}
-    live_meter = contextlib.nullcontext() if args.no_live_meter else LiveBytesMeter("cpu")
+    live_meter = contextlib.nullcontext() if args.no_live_meter else LiveBytesMeter(
+        "cpu", exclude_host=args.live_exclude_host)
     with SavedTensorMeter(model) as meter, live_meter as live:
         if args.method == "forward":
             cpu = time.process_time()
@@ -219,16 +237,20 @@ def run_one(args) -> dict:
                     if p.grad is not None) ** 0.5
     return {
         "method": args.method, "prompt_len": args.prompt_len, "group_size": args.group_size,
+        "response_len": args.response_len,
         "response_lens": [int(r.numel()) for r in group.response_ids], "recompute": recompute,
         "peak_rss_bytes": peak_rss_bytes(), "base_rss_bytes": base_rss,
         "saved_peak_bytes": meter.peak_bytes, "page_bytes": out["page_bytes"],
         "live_peak_bytes": None if live is None else live.peak_bytes,
         "live_phase_bytes": None if live is None else live.phase_peaks,
+        "live_excludes_host": bool(args.live_exclude_host),
+        "live_host_peak_bytes": None if live is None else live.host_peak_bytes,
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
         "cpu_seconds": cpu_seconds,
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
         "capture_blocks": {"token_block": ls.token_block, "query_block": ls.query_block,
                            "key_block": ls.key_block, "capture": ls.capture},
+        "response_block": ls.response_block,
         "param_checksum": checksum, "threads": torch.get_num_threads(),
     }
 
@@ -257,19 +279,26 @@ def _rss_of(pid: int) -> int | None:
 
 
 def run_point(args, method: str, prompt_len: int, group_size: int,
-              kill_above: int | None = None, poll_s: float = 0.05) -> dict:
+              kill_above: int | None = None, poll_s: float = 0.05, response_len: int | None = None,
+              response_block: int | None = None, child_flags: tuple[str, ...] = ()) -> dict:
     """One point in a fresh child. With `kill_above` (bytes) a watchdog here reads the child's RSS
     every `poll_s` and kills it the first time it is above: the point is then recorded as
     `exceeded_cap` (with the RSS seen), not run to the end. Either way the result carries the
     largest RSS the watchdog saw (`watchdog_peak_rss_bytes`; sampled, so at most the child's own
-    ru_maxrss)."""
+    ru_maxrss). `response_len` / `response_block` (default: `args`'s) and `child_flags` (e.g.
+    --no-live-meter) are passed to the child."""
     import tempfile
 
+    response_len = response_len or args.response_len
+    response_block = response_block or args.response_block
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--method", method,
            "--prompt-len", str(prompt_len), "--group-size", str(group_size),
-           "--response-len", str(args.response_len), "--seed", str(args.seed),
-           "--family", args.family, "--config", args.config]
-    point = {"method": method, "prompt_len": prompt_len, "group_size": group_size}
+           "--response-len", str(response_len), "--seed", str(args.seed),
+           "--family", args.family, "--config", args.config, *child_flags]
+    if response_block:
+        cmd += ["--response-block", str(response_block)]
+    point = {"method": method, "prompt_len": prompt_len, "group_size": group_size,
+             "response_len": response_len, "response_block": response_block}
     start, seen, killed = time.perf_counter(), 0, None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=child_env(), cwd=ROOT)
@@ -703,6 +732,252 @@ def render_sweep(args) -> dict:
     return {"results": results, "summary": summary, "settings": settings}
 
 
+# ---- the measured largest-R sweep (--response-sweep, `make bench`) ------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _response_row(r: dict | None, cap_bytes: int) -> dict:
+    if r is None:
+        return {"status": "not run"}
+    if exceeds_cap(r, cap_bytes):
+        return {"status": "exceeds cap",
+                "rss_bytes": r.get("killed_at_rss_bytes", r.get("peak_rss_bytes"))}
+    if "error" in r:
+        return {"status": "error", "error": r["error"]}
+    return {"status": "fits", "peak_rss_bytes": r["peak_rss_bytes"],
+            "step_seconds": r["step_seconds"], "phase_seconds": r["phase_seconds"]}
+
+
+def summarise_response_sweep(results: list[dict], cap_bytes: int, points, timing_points) -> dict:
+    """The measured largest-R table and blockwise against whole-branch replay time.
+
+    `results` holds runs tagged by `role`: "capacity" (one per method and R, no live-bytes meter,
+    under the watchdog cap: peak RSS and step seconds), "live" (LongStraw again at an R whose
+    capacity run fitted, with the meter: device live bytes per phase, host storage left out) and
+    "timing" (LongStraw, `variant` "blockwise" or "whole", `repeat` k; the pair of repeat k at one
+    R runs back to back). Every figure is from a run (no extrapolation)."""
+    cap = {(r["method"], r["response_len"]): r for r in results if r.get("role") == "capacity"}
+    live = {r["response_len"]: r for r in results if r.get("role") == "live" and "error" not in r}
+    summary: dict = {"cap_bytes": cap_bytes, "points": sorted(points), "rows": [],
+                     "largest_measured_under_cap": {}, "first_over_cap": {}, "replay_time": {}}
+    for R in sorted(points):
+        row = {"response_len": R}
+        for method in ("longstraw", "conventional"):
+            row[method] = _response_row(cap.get((method, R)), cap_bytes)
+        if row["longstraw"]["status"] == "fits" and R in live:
+            row["longstraw"]["live_phase_bytes"] = live[R]["live_phase_bytes"]
+            row["longstraw"]["live_host_peak_bytes"] = live[R].get("live_host_peak_bytes")
+        summary["rows"].append(row)
+    for method in ("longstraw", "conventional"):
+        runs = [r for (m, _), r in cap.items() if m == method]
+        summary["largest_measured_under_cap"][method] = max(
+            (r["response_len"] for r in runs if fits_cap(r, cap_bytes)), default=None)
+        summary["first_over_cap"][method] = min(
+            (r["response_len"] for r in runs if exceeds_cap(r, cap_bytes)), default=None)
+    ls, conv = (summary["largest_measured_under_cap"][m] for m in ("longstraw", "conventional"))
+    summary["largest_measured_ratio"] = ls / conv if ls and conv else None
+    # A method that fitted at every R it ran has a limit above the largest R tried: its largest
+    # measured R is a lower bound (and so is the ratio, when it is LongStraw's).
+    summary["limit_above_points"] = {m: summary["first_over_cap"][m] is None
+                                     and summary["largest_measured_under_cap"][m] == max(points)
+                                     for m in ("longstraw", "conventional")}
+    for R in sorted(timing_points):
+        runs = {(r["variant"], r.get("repeat", 0)): r for r in results
+                if r.get("role") == "timing" and r["response_len"] == R and "error" not in r}
+        pairs = [(runs[("blockwise", k)], runs[("whole", k)]) for v, k in sorted(runs)
+                 if v == "whole" and ("blockwise", k) in runs]
+        if not pairs:
+            summary["replay_time"][f"R={R}"] = {"error": "blockwise or whole-branch run missing"}
+            continue
+        block = [b["phase_seconds"]["replay"] for b, _ in pairs]
+        whole = [w["phase_seconds"]["replay"] for _, w in pairs]
+        ratios = [b / w for b, w in zip(block, whole)]
+        summary["replay_time"][f"R={R}"] = {
+            "response_len": R, "blockwise_block": pairs[0][0]["response_block"],
+            "whole_block": pairs[0][1]["response_block"], "pairs": len(pairs),
+            "blockwise_replay_seconds": block, "whole_replay_seconds": whole,
+            "blockwise_median": _median(block), "whole_median": _median(whole),
+            "ratios": ratios, "ratio": _median(ratios), "within_goal": _median(ratios) <= 1.3}
+    return summary
+
+
+def markdown_response_sweep(summary: dict, settings: dict) -> str:
+    cap = summary["cap_bytes"]
+    phases = ("capture", "scoring", "replay")
+    lines = [f"Measured (every cell is a run; no extrapolation). Model {settings['config']}, "
+             f"P = {settings['prompt_len']:,}, G = {settings['group_size']}, every response R "
+             f"tokens; LongStraw with response_block {settings['response_block']:,} (blockwise "
+             "scoring and replay); conventional: plain Megatron forward-backward of "
+             "[prompt; response] per member, full layer recompute. One process, one thread. Cap: "
+             f"peak RSS <= {cap / 2 ** 30:g} GiB ({_mib(cap)} MiB) per process, enforced by a "
+             "watchdog that kills a child above it; the capacity runs have no live-bytes meter "
+             "(its event record adds RSS); LongStraw's live bytes are from a second run at the "
+             "same R with the meter, host storage (pages, residual stream) left out: what a "
+             "device would hold.", "",
+             "| R | LongStraw peak RSS (MiB) | LongStraw step (s) | scoring (s) | replay (s) "
+             "| live capture / scoring / replay (MiB) | host peak (MiB) "
+             "| conventional peak RSS (MiB) | conventional step (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in summary["rows"]:
+        cells = [f"{row['response_len']:,}"]
+        ls, conv = row["longstraw"], row["conventional"]
+        if ls["status"] == "fits":
+            ph = ls["phase_seconds"]
+            live = ls.get("live_phase_bytes")
+            host = ls.get("live_host_peak_bytes")
+            cells += [_mib(ls["peak_rss_bytes"]), f"{ls['step_seconds']:.1f}",
+                      f"{ph.get('scoring', 0):.1f}", f"{ph.get('replay', 0):.1f}",
+                      " / ".join(f"{live.get(p, 0) / MiB:,.1f}" for p in phases) if live
+                      else "not measured",
+                      f"{host / MiB:,.1f}" if host is not None and live else ""]
+        elif ls["status"] == "exceeds cap":
+            cells += [f"**exceeds cap** (killed at {_mib(ls['rss_bytes'])})", "", "", "", "", ""]
+        elif ls["status"] == "not run":
+            first = summary["first_over_cap"]["longstraw"]
+            cells += [f"not run (over the cap at R = {first:,})" if first else "not run",
+                      "", "", "", "", ""]
+        else:
+            cells += [f"error ({ls['error'].split(':')[0]})", "", "", "", "", ""]
+        if conv["status"] == "fits":
+            cells += [_mib(conv["peak_rss_bytes"]), f"{conv['step_seconds']:.1f}"]
+        elif conv["status"] == "exceeds cap":
+            cells += [f"**exceeds cap** (killed at {_mib(conv['rss_bytes'])})", ""]
+        elif conv["status"] == "not run":
+            first = summary["first_over_cap"]["conventional"]
+            cells += [f"not run (over the cap at R = {first:,})" if first else "not run", ""]
+        else:
+            cells += [f"error ({conv['error'].split(':')[0]})", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lim, first = summary["largest_measured_under_cap"], summary["first_over_cap"]
+    above = summary["limit_above_points"]
+    fmt = lambda v: f"{v:,}" if v else "none"
+    over = lambda m: (f"not reached (it fitted at every R run, up to {max(summary['points']):,}: "
+                      "its limit under this cap is above that)" if above[m]
+                      else f"R = {fmt(first[m])}")
+    ratio = summary["largest_measured_ratio"]
+    lines += ["", f"Largest measured R under the cap: LongStraw {fmt(lim['longstraw'])}, "
+              f"conventional {fmt(lim['conventional'])}"
+              + (f" ({'at least ' if above['longstraw'] else ''}x{ratio:g})" if ratio else "")
+              + f"; first over the cap: LongStraw {over('longstraw')}, "
+              f"conventional {over('conventional')}."]
+    if summary["replay_time"]:
+        lines += ["", "Replay phase seconds, blockwise against whole-branch at equal R (same P, G, "
+                  "data and weights; no live-bytes meter; pairs run back to back; goal: blockwise "
+                  "within x1.3 of whole-branch):"]
+        for key, v in summary["replay_time"].items():
+            if "error" in v:
+                lines.append(f"- {key}: {v['error']}")
+                continue
+            lines.append(
+                f"- {key}: blockwise (response_block {v['blockwise_block']:,}, "
+                f"{-(-v['response_len'] // v['blockwise_block'])} blocks) median "
+                f"{v['blockwise_median']:.2f} s, whole branch (response_block "
+                f"{v['whole_block']:,}) median {v['whole_median']:.2f} s; ratio median of "
+                f"{v['pairs']} pair{'s' if v['pairs'] > 1 else ''} x{v['ratio']:.3f} (pairs: "
+                + ", ".join(f"{x:.3f}" for x in v["ratios"]) + ") "
+                + ("within x1.3" if v["within_goal"] else "NOT within x1.3"))
+    return "\n".join(lines)
+
+
+def run_response_sweep(args) -> dict:
+    """LongStraw (blockwise, `--response-block`) and conventional at growing R, each until its
+    first point over the cap; LongStraw again with the live-bytes meter at each R that fitted; then
+    blockwise against whole-branch replay at `--replay-timing-points`, `--timing-repeats` pairs.
+    One point at a time; the JSON is rewritten after each."""
+    points = sorted(int(r) for r in args.response_points.split(","))
+    timing_points = [int(r) for r in args.replay_timing_points.split(",") if r]
+    group, prompt_len = int(args.groups.split(",")[0]), args.response_sweep_prompt
+    cap = int(args.cap_gib * 2 ** 30)
+    block = args.response_block or 2048
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else out_dir / "bench-response.json"
+    settings = {"points": points, "timing_points": timing_points, "prompt_len": prompt_len,
+                "group_size": group, "response_block": block, "timing_repeats": args.timing_repeats,
+                "methods": args.sweep_methods,
+                "family": args.family, "config": os.path.relpath(args.config, ROOT),
+                "cap_bytes": cap,
+                "cap_method": "watchdog: child killed when its RSS (read every 0.05 s) is above the "
+                              "cap; a finished point fits if its ru_maxrss <= cap; capacity runs "
+                              "without the live-bytes meter",
+                "child_env": {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}}
+    results: list[dict] = []
+    start = time.perf_counter()
+
+    def one(method, R, role, block_=block, kill=True, meter=False, **tags):
+        flags = ("--live-exclude-host",) if meter else ("--no-live-meter",)
+        r = run_point(args, method, prompt_len, group, kill_above=cap if kill else None,
+                      response_len=R, response_block=block_ if method != "conventional" else None,
+                      child_flags=flags)
+        r.update(role=role, response_len=R, **tags)
+        status = r.get("error") or (f"peak RSS {r['peak_rss_bytes'] / MiB:.0f} MiB, "
+                                    f"{r['step_seconds']:.1f} s" + (
+                                        f", replay {r['phase_seconds']['replay']:.1f} s"
+                                        if "replay" in r["phase_seconds"] else ""))
+        label = f"{method} {role} {tags.get('variant', '')}".strip()
+        shown_block = "-" if method == "conventional" else block_
+        repeat = f" (repeat {tags['repeat']})" if tags.get("repeat") else ""
+        print(f"  {label:>27} R={R:>7} block={shown_block}{repeat}: {status}", flush=True)
+        results.append(r)
+        json_path.write_text(json.dumps({"results": results, "settings": settings,
+                                         "partial": True}, indent=2) + "\n")
+        return r
+
+    for method in [m for m in ("longstraw", "conventional") if m in args.sweep_methods.split(",")]:
+        for r in sweep_until_over(points, lambda R: one(method, R, "capacity"), cap):
+            if method == "longstraw" and fits_cap(r, cap):
+                # The meter's record inflates RSS: no cap on this run, its RSS is not the table's.
+                one(method, r["response_len"], "live", kill=False, meter=True)
+    for repeat in range(max(1, args.timing_repeats)):
+        for R in timing_points:
+            one("longstraw", R, "timing", block_=R, kill=False, variant="whole", repeat=repeat)
+            one("longstraw", R, "timing", block_=max(1, R // 4), kill=False, variant="blockwise",
+                repeat=repeat)
+    summary = summarise_response_sweep(results, cap, points, timing_points)
+    summary["wall_seconds"] = time.perf_counter() - start
+    table = (markdown_response_sweep(summary, settings)
+             + f"\n\nWall time {summary['wall_seconds'] / 60:.1f} min.\n")
+    (out_dir / "bench-response.md").write_text(table)
+    json_path.write_text(json.dumps({"results": results, "summary": summary, "settings": settings},
+                                    indent=2) + "\n")
+    print(table)
+    return {"results": results, "summary": summary, "settings": settings}
+
+
+def render_response_sweep(args) -> dict:
+    """The largest-R table again from saved `--response-sweep` JSONs (`--response-sweep
+    --from-json a.json,b.json`), no runs: the union of their points; a later file's run replaces an
+    earlier one's of the same method, role, R, variant and repeat; the last file's cap."""
+    by, settings, walls = {}, None, []
+    for path in args.from_json.split(","):
+        data = json.loads(Path(path).read_text())
+        if settings is None:
+            settings = dict(data["settings"])
+        else:
+            settings["cap_bytes"] = data["settings"]["cap_bytes"]
+            for key in ("points", "timing_points"):
+                settings[key] = sorted(set(settings[key]) | set(data["settings"][key]))
+        walls.append(data.get("summary", {}).get("wall_seconds"))
+        for r in data["results"]:
+            key = (r["method"], r["role"], r["response_len"], r.get("variant"), r.get("repeat", 0))
+            by[key] = {**r, "source": path}
+    results = list(by.values())
+    summary = summarise_response_sweep(results, settings["cap_bytes"], settings["points"],
+                                       settings["timing_points"])
+    table = markdown_response_sweep(summary, settings) + "\n\nFrom " + args.from_json + (
+        "; wall time " + " + ".join(f"{w / 60:.1f} min" for w in walls if w) if any(walls) else "")
+    out = Path(args.out_dir) / "bench-response-merged.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    print(table)
+    return {"results": results, "summary": summary, "settings": settings}
+
+
 # ---- PNG (matplotlib, the bench extra) -----------------------------------------------------------
 
 
@@ -761,17 +1036,34 @@ def parse_args(argv=None):
                         "--sweep-points, conventional until the first point over --cap-gib, the "
                         "no-grad forward at --forward-points; model examples/glm52/bench.yaml")
     p.add_argument("--sweep-points", default="4096,8192,16384,32768,65536,131072")
+    p.add_argument("--response-sweep", action="store_true",
+                   help="the measured largest-R table (`make bench`): LongStraw blockwise "
+                        "(--response-block, default 2048) and conventional at every "
+                        "--response-points R, each until its first point over --cap-gib, at P = "
+                        "--response-sweep-prompt and the first --groups G; then blockwise "
+                        "(response_block R/4) against whole-branch (response_block R) replay time "
+                        "at --replay-timing-points, --timing-repeats pairs; model "
+                        "examples/glm52/bench.yaml; runs/bench/bench-response.{json,md}")
+    p.add_argument("--response-points", default="2048,4096,8192,16384",
+                   help="response sweep: R (LongStraw's step about doubles per doubling of R, "
+                        "conventional's grows up to 4x: 16K about 1.5 minutes for LongStraw, 4 "
+                        "for conventional; LongStraw runs twice per point, with the meter)")
+    p.add_argument("--response-sweep-prompt", type=int, default=4096)
+    p.add_argument("--replay-timing-points", default="4096,8192",
+                   help="response sweep: R at which blockwise and whole-branch replay are timed")
     p.add_argument("--forward-points", default="4096,32768",
                    help="sweep: P at which capture is timed against a no-grad forward")
     p.add_argument("--timing-repeats", type=int, default=1,
                    help="sweep: pairs (forward, LongStraw) per --forward-points P; the ratio "
                         "reported is their median (the extra pairs run after the table's points)")
     p.add_argument("--sweep-methods", default="longstraw,conventional",
-                   help="sweep: longstraw alone skips conventional (e.g. a timing-only run)")
+                   help="sweep, response sweep: longstraw alone skips conventional (e.g. a "
+                        "timing-only run, or more R for LongStraw to merge with --from-json)")
     p.add_argument("--from-json", default=None,
                    help="sweep: no runs; the table again from saved sweep JSONs (comma-separated; a "
                         "later file's point replaces an earlier one's at the same method and P; the "
-                        "last file's cap)")
+                        "last file's cap); with --response-sweep the same for its JSONs "
+                        "(runs/bench/bench-response-merged.md)")
     p.add_argument("--timing-json", default=None,
                    help="with --from-json: sweep JSONs whose capture / forward pairs are added as "
                         "further repeats (their other points are not used)")
@@ -781,6 +1073,9 @@ def parse_args(argv=None):
                         "32K; quick: 12K)")
     p.add_argument("--groups", default="2,8")
     p.add_argument("--response-len", type=int, default=32)
+    p.add_argument("--response-block", type=int, default=None,
+                   help="LongStraw's response_block (tokens per block of a branch in scoring and "
+                        "replay; default: the config's)")
     p.add_argument("--methods", default="longstraw,longstraw-exact,conventional,forward")
     p.add_argument("--large-group-max-prompt", type=int, default=None,
                    help="run groups larger than the smallest only at P up to this")
@@ -803,8 +1098,11 @@ def parse_args(argv=None):
                    help="with --one: run the point without the live-bytes meter (its event "
                         "record grows with the allocations, so with the prompt: the RSS it adds "
                         "is the difference); live bytes are then not reported")
+    p.add_argument("--live-exclude-host", action="store_true",
+                   help="with --one: the live-bytes meter leaves out host storage (pages, the "
+                        "residual stream: what `note_host` names), i.e. what a device would hold")
     args = p.parse_args(argv)
-    if args.sweep and args.config is None:
+    if (args.sweep or args.response_sweep) and args.config is None:
         args.config = str(ROOT / "examples" / "glm52" / "bench.yaml")
     args.config = args.config or str(ROOT / FAMILIES[args.family].tiny_config)
     return args
@@ -819,9 +1117,11 @@ def main(argv=None) -> dict:
         print("BENCH_JSON " + json.dumps(run_one(args)), flush=True)
         return {}
     if args.from_json:
-        return render_sweep(args)
+        return render_response_sweep(args) if args.response_sweep else render_sweep(args)
     if args.sweep:
         return run_sweep(args)
+    if args.response_sweep:
+        return run_response_sweep(args)
     default_points = "4096,5120" if args.quick else "4096,8192,16384"
     points = [int(p) for p in (args.points or default_points).split(",")]
     extra = args.longstraw_points if args.longstraw_points is not None else (
