@@ -270,6 +270,9 @@ def test_summarise_response_sweep_largest_r_live_bytes_and_replay_ratio():
         _rpoint("longstraw", 4096, 800, "timing", 3.0, 1024, variant="blockwise", repeat=1),
         _rpoint("longstraw", 4096, 800, "timing", 2.0, 4096, variant="whole", repeat=2),
         _rpoint("longstraw", 4096, 800, "timing", 2.2, 1024, variant="blockwise", repeat=2),
+        # With reuse_branch_pages (replay over scoring's pages): two pairs.
+        _rpoint("longstraw", 4096, 800, "timing", 2.4, 1024, variant="reuse", repeat=0),
+        _rpoint("longstraw", 4096, 800, "timing", 3.0, 1024, variant="reuse", repeat=1),
         # A blockwise run without its whole-branch pair is not a pair.
         _rpoint("longstraw", 8192, 800, "timing", 9.0, 2048, variant="blockwise", repeat=0),
     ]
@@ -292,6 +295,8 @@ def test_summarise_response_sweep_largest_r_live_bytes_and_replay_ratio():
     assert t["ratios"] == pytest.approx([1.2, 1.5, 1.1])
     assert t["ratio"] == pytest.approx(1.2) and t["within_goal"]        # median of the pairs
     assert t["blockwise_median"] == 2.4 and t["whole_median"] == 2.0
+    assert t["reuse_ratios"] == pytest.approx([1.2, 1.5])
+    assert t["reuse_ratio"] == pytest.approx(1.35) and not t["reuse_within_goal"]
     assert "error" in s["replay_time"]["R=8192"]
     table = bench.markdown_response_sweep(s, {"config": "examples/glm52/bench.yaml",
                                               "prompt_len": 4096, "group_size": 2,
@@ -339,7 +344,7 @@ def test_response_sweep_end_to_end_tiny(tmp_path):
     roles = sorted((r["method"], r["role"], r.get("variant", "")) for r in data["results"])
     assert roles == [("conventional", "capacity", ""), ("longstraw", "capacity", ""),
                      ("longstraw", "live", ""), ("longstraw", "timing", "blockwise"),
-                     ("longstraw", "timing", "whole")]
+                     ("longstraw", "timing", "reuse"), ("longstraw", "timing", "whole")]
     for r in data["results"]:
         assert r["response_lens"] == [r["response_len"]] * 2
         if r["role"] == "capacity":
@@ -351,6 +356,10 @@ def test_response_sweep_end_to_end_tiny(tmp_path):
     assert timing["whole"]["response_block"] == 16 and timing["blockwise"]["response_block"] == 4
     # Same data and weights: whole-branch and 4 blocks score the same log-probs (fp32).
     diff = max(abs(a - b) for x, y in zip(timing["whole"]["logps"], timing["blockwise"]["logps"])
+               for a, b in zip(x, y))
+    assert diff <= 1e-5
+    assert timing["reuse"]["response_block"] == 4
+    diff = max(abs(a - b) for x, y in zip(timing["reuse"]["logps"], timing["blockwise"]["logps"])
                for a, b in zip(x, y))
     assert diff <= 1e-5
     s = data["summary"]

@@ -107,6 +107,21 @@ def test_blockwise_replay_equals_whole_branch_replay(family, mode):
         assert abs(blocks.stats[key] - whole.stats[key]) <= 1e-12, key
 
 
+@pytest.mark.parametrize("family", ["glm52", "qwen36"])
+def test_replay_over_the_pages_scoring_kept_equals_its_own_forward(family):
+    """`reuse_branch_pages`: scoring's blocks' state serves replay (no forward of its own): the
+    same gradients, log-probs and loss as replay's own forward (exact mode: prompt cotangents
+    too)."""
+    cfg, model = _build(family)
+    group = _group(cfg.vocab_size, 40)
+    own, own_grads = _grads(model, group, _config(BLOCK, "exact"))
+    reused, reused_grads = _grads(model, group, _config(BLOCK, "exact", reuse_branch_pages=True))
+    assert _worst(reused_grads, own_grads) <= 1e-12
+    assert abs(reused.loss - own.loss) <= 1e-12
+    for a, b in zip(reused.logps, own.logps):
+        assert float((a - b).abs().max()) <= 1e-12
+
+
 @pytest.mark.parametrize("family,checkpoint_layers", [("glm52", True), ("qwen36", False)])
 def test_blockwise_exact_replay_equals_full_sequence_autograd(family, checkpoint_layers):
     cfg, model = _build(family)

@@ -181,6 +181,7 @@ def run_one(args) -> dict:
     ls.group_size, ls.max_response_len = args.group_size, args.response_len
     if args.response_block:
         ls.response_block = args.response_block
+    ls.reuse_branch_pages = args.reuse_branch_pages
     # The blocks of the plain forward's implicit full pass (state.AttentionPass defaults), so both
     # methods hold the same indexer-score scratch.
     ls.query_block, ls.key_block = 1024, 4096
@@ -803,6 +804,15 @@ def summarise_response_sweep(results: list[dict], cap_bytes: int, points, timing
             "blockwise_replay_seconds": block, "whole_replay_seconds": whole,
             "blockwise_median": _median(block), "whole_median": _median(whole),
             "ratios": ratios, "ratio": _median(ratios), "within_goal": _median(ratios) <= 1.3}
+        reuse = [(runs[("reuse", k)], runs[("whole", k)]) for v, k in sorted(runs)
+                 if v == "whole" and ("reuse", k) in runs]
+        if reuse:      # blockwise with reuse_branch_pages: replay over scoring's pages
+            ratios = [r["phase_seconds"]["replay"] / w["phase_seconds"]["replay"]
+                      for r, w in reuse]
+            summary["replay_time"][f"R={R}"].update(
+                reuse_replay_seconds=[r["phase_seconds"]["replay"] for r, _ in reuse],
+                reuse_ratios=ratios, reuse_ratio=_median(ratios),
+                reuse_within_goal=_median(ratios) <= 1.3)
     return summary
 
 
@@ -880,7 +890,12 @@ def markdown_response_sweep(summary: dict, settings: dict) -> str:
                 f"{v['whole_block']:,}) median {v['whole_median']:.2f} s; ratio median of "
                 f"{v['pairs']} pair{'s' if v['pairs'] > 1 else ''} x{v['ratio']:.3f} (pairs: "
                 + ", ".join(f"{x:.3f}" for x in v["ratios"]) + ") "
-                + ("within x1.3" if v["within_goal"] else "NOT within x1.3"))
+                + ("within x1.3" if v["within_goal"] else "NOT within x1.3")
+                + ("" if "reuse_ratio" not in v else
+                   f"; with --longstraw-reuse-branch-pages (replay over scoring's pages) "
+                   f"x{v['reuse_ratio']:.3f} (pairs: "
+                   + ", ".join(f"{x:.3f}" for x in v["reuse_ratios"]) + ") "
+                   + ("within x1.3" if v["reuse_within_goal"] else "NOT within x1.3")))
     return "\n".join(lines)
 
 
@@ -909,8 +924,8 @@ def run_response_sweep(args) -> dict:
     results: list[dict] = []
     start = time.perf_counter()
 
-    def one(method, R, role, block_=block, kill=True, meter=False, **tags):
-        flags = ("--live-exclude-host",) if meter else ("--no-live-meter",)
+    def one(method, R, role, block_=block, kill=True, meter=False, extra=(), **tags):
+        flags = (("--live-exclude-host",) if meter else ("--no-live-meter",)) + tuple(extra)
         r = run_point(args, method, prompt_len, group, kill_above=cap if kill else None,
                       response_len=R, response_block=block_ if method != "conventional" else None,
                       child_flags=flags)
@@ -938,6 +953,8 @@ def run_response_sweep(args) -> dict:
             one("longstraw", R, "timing", block_=R, kill=False, variant="whole", repeat=repeat)
             one("longstraw", R, "timing", block_=max(1, R // 4), kill=False, variant="blockwise",
                 repeat=repeat)
+            one("longstraw", R, "timing", block_=max(1, R // 4), kill=False, variant="reuse",
+                repeat=repeat, extra=("--reuse-branch-pages",))
     summary = summarise_response_sweep(results, cap, points, timing_points)
     summary["wall_seconds"] = time.perf_counter() - start
     table = (markdown_response_sweep(summary, settings)
@@ -1101,6 +1118,9 @@ def parse_args(argv=None):
     p.add_argument("--live-exclude-host", action="store_true",
                    help="with --one: the live-bytes meter leaves out host storage (pages, the "
                         "residual stream: what `note_host` names), i.e. what a device would hold")
+    p.add_argument("--reuse-branch-pages", action="store_true",
+                   help="with --one: LongStrawConfig.reuse_branch_pages (scoring's blocks' pages "
+                        "serve replay)")
     args = p.parse_args(argv)
     if (args.sweep or args.response_sweep) and args.config is None:
         args.config = str(ROOT / "examples" / "glm52" / "bench.yaml")

@@ -62,6 +62,11 @@ class LongStrawConfig:
     and replay walks the blocks in reverse, so device memory is bounded by one block, not by the
     response. Under CP a block is rounded up to a multiple of the CP size (every rank holds a
     share of each block). The update is the same (blockwise equals whole-branch)."""
+    reuse_branch_pages: bool = False
+    """Blockwise branches: scoring keeps every member's blocks' state (host pages) for replay,
+    which then skips its own forward of the blocks (the same weights and selections write the
+    same pages): one forward of the branch less per member, for G members' branch pages in host
+    memory instead of one's (the planner's `branch pages` line, times G)."""
     capture: str = "streamed"
     """"streamed" (layer by layer, token block by token block, the residual stream in host memory,
     under CP the layer's rows of every rank exchanged through host memory: nothing of the
@@ -111,7 +116,7 @@ class LongStrawConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
-        for name in ("offload_pages", "checkpoint_layers", "std_unbiased"):
+        for name in ("offload_pages", "checkpoint_layers", "std_unbiased", "reuse_branch_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"longstraw {name} must be true or false, got "
                                  f"{getattr(self, name)!r}.")

@@ -117,6 +117,10 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Tokens per block of a response in scoring and replay: longer "
                             "responses run block by block (device memory bounded by a block; "
                             "the same update).")
+    group.add_argument("--longstraw-reuse-branch-pages", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="Blockwise responses: scoring keeps every member's branch pages "
+                            "(host memory) so replay skips one forward of the branch.")
     group.add_argument("--longstraw-capture", choices=("streamed", "whole"), default=None,
                        help="Streamed capture (token blocks, the residual stream in host "
                             "memory, under CP the layer's rows exchanged through host memory; "
@@ -281,6 +285,7 @@ _FLAG_TO_FIELD = {
     "longstraw_kernels": "kernels",
     "longstraw_token_block": "token_block",
     "longstraw_response_block": "response_block",
+    "longstraw_reuse_branch_pages": "reuse_branch_pages",
     "longstraw_capture": "capture",
     "longstraw_query_block": "query_block",
     "longstraw_key_block": "key_block",

@@ -274,6 +274,8 @@ def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: 
     kept = _Blocks(model, captured, device)
     logps, chosen = [], []
     for index, block in enumerate(blocks):
+        if not head and index + 1 == len(blocks):
+            break                      # replay: nothing reads the last block's state
         view = kept.view(index)
         state = _pass(captured, block, cfg, selections, mode="score", earlier=view)
         with (torch.no_grad(),
@@ -321,8 +323,8 @@ def _join_selections(chosen: list[dict[int, torch.Tensor]], host: bool) -> dict[
 
 def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                  cfg: LongStrawConfig, selections: dict[int, torch.Tensor] | None = None,
-                 routed_experts: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 routed_experts: torch.Tensor | None = None, keep_pages: bool = False,
+                 ) -> tuple:
     """Per-token log-probs [R] of one response (no autograd; whole member on every rank) and the DSA
     selections it used: this rank's rows of them (global key positions, int32, kept in host memory
     when pages are offloaded: all G members' selections wait for replay, [R_pad / CP, top-k] per
@@ -333,7 +335,12 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
 
     Routing replay (routing_replay.py): `selections` (the engine's, this rank's rows as
     `routing_replay.member_inputs` gives them) are used instead of computed ones, and returned;
-    `routed_experts` [R, L, k] route this rank's rows in every MoE layer."""
+    `routed_experts` [R, L, k] route this rank's rows in every MoE layer.
+
+    `keep_pages` (`LongStrawConfig.reuse_branch_pages`): also return the blocks' state as replay
+    takes it (`replay_member(..., pages=)`; None for a branch of one block): the same weights and
+    selections write the same pages, so replay skips its own forward. -> (logp, selections,
+    pages)"""
     blocks = member_blocks(captured, response_ids, cfg)
     keep = "cpu" if cfg.offload_pages else None
     if len(blocks) == 1:
@@ -343,10 +350,12 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
               routing_replay.replay_routing(model, routed_experts, branch.rows, branch.length)):
             logps = [_run_branch(model, captured, branch, state, checkpoint_layers=False)]
         chosen = [_own_selections(state.selections, branch, captured.layout, keep)]
+        pages = None
     else:
-        _, logps, chosen = _forward_blocks(model, captured, blocks, cfg, selections,
-                                           routed_experts, head=True, keep_on=keep)
-    return _gather_blocks(logps, blocks, captured), _join_selections(chosen, keep == "cpu")
+        pages, logps, chosen = _forward_blocks(model, captured, blocks, cfg, selections,
+                                               routed_experts, head=True, keep_on=keep)
+    scored = (_gather_blocks(logps, blocks, captured), _join_selections(chosen, keep == "cpu"))
+    return scored + (pages,) if keep_pages else scored
 
 
 class ReplayedMember(NamedTuple):
@@ -364,7 +373,8 @@ class ReplayedMember(NamedTuple):
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                   selections: dict[int, torch.Tensor] | None, cfg: LongStrawConfig,
                   loss_fn: Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict]],
-                  routed_experts: torch.Tensor | None = None) -> ReplayedMember:
+                  routed_experts: torch.Tensor | None = None,
+                  pages: _Blocks | None = None) -> ReplayedMember:
     """Rebuild one member's graph, compute its loss once, backpropagate, free the graph.
 
     `loss_fn(logp, tokens)` -> (loss, stats): grpo.loss.member_loss (as the schedule binds it)
@@ -380,13 +390,17 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     A branch longer than `cfg.response_block` is replayed block by block (module docstring):
     a forward without autograd keeps every block's state in host pages, then the blocks run in
     reverse, each under autograd over the earlier blocks' pages, backpropagating its loss and
-    the cotangents the later blocks left on its own state.
+    the cotangents the later blocks left on its own state. `pages`: that forward's state, kept
+    by scoring with the same weights and selections (`score_member(..., keep_pages=True)`), used
+    instead of running it again (consumed: the reverse walk drops it block by block).
     """
     blocks = member_blocks(captured, response_ids, cfg)
     kept = None
     if len(blocks) > 1:
-        kept, _, _ = _forward_blocks(model, captured, blocks, cfg, selections, routed_experts,
-                                     head=False)
+        kept = pages
+        if kept is None:
+            kept, _, _ = _forward_blocks(model, captured, blocks, cfg, selections, routed_experts,
+                                         head=False)
         kept.keep_grads()
     logps, shares, carried = [None] * len(blocks), [], {}
     for index in reversed(range(len(blocks))):

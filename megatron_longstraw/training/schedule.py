@@ -193,14 +193,17 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
         engine = [routing_replay.member_inputs(model, group, i, captured.prefix_len,
                                                captured.layout, cfg.response_block)
                   for i in range(len(group.response_ids))]
-        scored = [score_member(model, captured, r, cfg, *engine[i])
+        # With reuse_branch_pages scoring keeps each blockwise member's pages for its replay.
+        keep = cfg.reuse_branch_pages and not forward_only
+        scored = [score_member(model, captured, r, cfg, *engine[i], keep_pages=keep)
                   for i, r in enumerate(group.response_ids)]
+        pages = [s[2] if keep else None for s in scored]
         logps_ref = ([score_member(ref_model, ref_captured, r, cfg)[0] for r in group.response_ids]
                      if ref_captured is not None else None)
     # The PPO ratio's denominator is the trainer's own pre-step log-prob, never the engine's: a
     # kernel or precision difference between the two would bias every ratio and clip decision.
     # The engine's log-probs give per-token importance weights pi_old / pi_engine instead.
-    logps_old = [lp for lp, _ in scored]
+    logps_old = [s[0] for s in scored]
     weights, mismatch = _engine_correction(logps_old, group.logps_old, cfg)
     timings["scoring"] = time.perf_counter() - start
 
@@ -232,7 +235,9 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
                 loss, stats = loss_of(logp)
             else:                # replay calls loss_of once, under autograd, and backpropagates
                 logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg,
-                                                  loss_of, routed_experts=engine[i][1])
+                                                  loss_of, routed_experts=engine[i][1],
+                                                  pages=pages[i])
+                pages[i] = None               # consumed: freed with the member
             total += float(loss)
             logps.append(logp)
             member_stats.append(stats)
@@ -254,7 +259,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     return StepResult(loss=total, stats=stats, logps=logps, logps_old=logps_old,
                       token_weights=weights, phase_seconds=timings, page_bytes=sum(s.nbytes() for s in stores),
                       page_bytes_by_kind=by_kind, fixed_page_kinds=fixed,
-                      selections=[sel for _, sel in scored])
+                      selections=[s[1] for s in scored])
 
 
 def _engine_correction(logps_old, logps_engine, cfg) -> tuple[list[torch.Tensor] | None, dict]:
