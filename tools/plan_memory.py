@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=quantity, default=quantity("2.1M"))
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--response-len", type=quantity, default=8192)
+    p.add_argument("--reuse-branch-pages", action="store_true",
+                   help="--longstraw-reuse-branch-pages: scoring keeps every member's branch "
+                        "pages for replay (host: the branch lines times G)")
     p.add_argument("--response-block", type=quantity, default=None,
                    help="--longstraw-response-block: a longer response is scored and replayed "
                         "block by block (default: the config's, else LongStrawConfig's)")
@@ -128,6 +131,7 @@ def build_spec(args) -> planner.PlanSpec:
         trainable_params=args.trainable_params,
         shard_optimizer=args.shard_optimizer, kl=args.kl, page_tokens=blocks.page_tokens,
         response_block=args.response_block or blocks.response_block,
+        reuse_branch_pages=args.reuse_branch_pages or blocks.reuse_branch_pages,
         token_block=blocks.token_block, query_block=blocks.query_block, key_block=blocks.key_block,
         gpu_bytes=args.gpu, device_reserve=args.device_reserve, host_bytes=args.host_memory,
         ranks_per_node=args.ranks_per_node, host_reserve_per_rank=args.host_reserve,

@@ -65,6 +65,9 @@ class PlanSpec:
     """`LongStrawConfig.response_block`: a branch longer than this is scored and replayed block by
     block (training/replay.py, `branch_blocks`); device lines of scoring and replay are one
     block's, the earlier blocks' rows live in host pages (`branch_blocks_rows`)."""
+    reuse_branch_pages: bool = False
+    """`LongStrawConfig.reuse_branch_pages`: scoring keeps every member's branch pages for its
+    replay (the host lines of the branch's pages and carried state, times G)."""
     token_block: int = 16384
     query_block: int = 256
     key_block: int = 16384
@@ -287,27 +290,34 @@ def branch_blocks_rows(response_len: int, response_block: int, cp: int) -> Branc
     return BranchBlocks(num, block, block // cp, (num - 1) * block // cp)
 
 
+def branch_members(spec: PlanSpec) -> int:
+    """Members whose branch pages are held at once: G with `reuse_branch_pages`, else 1."""
+    return spec.group_size if spec.reuse_branch_pages else 1
+
+
 def branch_host_pages(kinds: list[PageKind], blocks: BranchBlocks, page_tokens: int,
-                      grad_bytes) -> list[Item]:
+                      grad_bytes, members: int = 1) -> list[Item]:
     """Host bytes of one member's blockwise branch on one rank (replay.py `_Blocks`): the earlier
     blocks' key rows of every layer (`kinds`: sequence kinds, one row each, in the model's dtype)
     in pages of `page_tokens` rows; the carried state (fixed kinds) put once per layer and kept at
     every later block's start; and, in replay's reverse walk, a cotangent buffer beside every
     kind but the index keys (`grad_bytes(kind)`: bytes per row of it, at least fp32). Freed
-    after the member. Nothing for a branch of one block."""
+    after the member. `members`: G when scoring keeps every member's pages and carried state for
+    replay (`reuse_branch_pages`). Nothing for a branch of one block."""
     if blocks.num_blocks == 1:
         return []
     pages = -(-blocks.earlier // page_tokens) * page_tokens
     seq = [k for k in kinds if k.sequence and k.num_layers]
     fixed = [k for k in kinds if not k.sequence and k.num_layers]
+    kept = "" if members == 1 else f" x G = {members} (kept from scoring for replay)"
     items = [Item("branch pages: the earlier blocks' key rows of every layer [R/CP, row] (host, "
-                  "model dtype, whole pages)",
-                  sum(k.num_layers * pages * k.row_bytes for k in seq), measured=True)]
+                  f"model dtype, whole pages){kept}",
+                  members * sum(k.num_layers * pages * k.row_bytes for k in seq), measured=True)]
     if fixed:
         items.append(Item("branch carried state (GDN state + conv tail) per layer, put + kept at "
-                          "each later block's start (host)",
-                          sum(k.num_layers * k.row_bytes for k in fixed) * blocks.num_blocks,
-                          measured=True))
+                          f"each later block's start (host){kept}",
+                          members * sum(k.num_layers * k.row_bytes for k in fixed)
+                          * blocks.num_blocks, measured=True))
     items.append(Item("branch cotangent buffers beside the kept rows and carried state (host, "
                       ">= fp32, every kind but index keys; replay)",
                       sum(k.num_layers * (blocks.earlier if k.sequence else 1) * grad_bytes(k)

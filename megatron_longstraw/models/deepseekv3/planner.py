@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
-    branch_blocks_rows, branch_host_pages, head_chunk_bytes, outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
+    branch_blocks_rows, branch_host_pages, branch_members, head_chunk_bytes, outside_layers_saved,
+    rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -134,4 +135,4 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                      replay_saved=saved, notes=notes,
                      host=capture_host + branch_host_pages(
                          deepseekv3_pages(cfg, b), blk, spec.page_tokens,
-                         lambda kind: kind.row_bytes * acc / b))
+                         lambda kind: kind.row_bytes * acc / b, branch_members(spec)))

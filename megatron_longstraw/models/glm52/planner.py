@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
-    head_chunk_bytes, local_prompt_rows, lse_merge_saved, outside_layers_saved, rank_rows,
+    branch_members, head_chunk_bytes, local_prompt_rows, lse_merge_saved, outside_layers_saved, rank_rows,
     rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
@@ -186,7 +186,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
                                 spec.group_size * cfg.num_full_indexer_layers() * rows * k * 4,
                                 measured=True)]
     host += branch_host_pages(branch_kinds, blk, spec.page_tokens,
-                              lambda kind: kind.row_bytes * acc / b)
+                              lambda kind: kind.row_bytes * acc / b, branch_members(spec))
     # One layer's earlier-block rows read to the device (like the prompt's page window): latents,
     # and in scoring the index keys for the top-k.
     earlier_latents = Item("the earlier blocks' latent rows of one layer [R/CP, latent] (read "

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
     Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
-    head_chunk_bytes, lse_merge_saved, outside_layers_saved, phase_bytes, rank_rows, streamed_capture_device, streamed_capture_host,
+    branch_members, head_chunk_bytes, lse_merge_saved, outside_layers_saved, phase_bytes,
+    rank_rows, streamed_capture_device, streamed_capture_host,
 )
 
 
@@ -452,4 +453,4 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                          qwen36_pages(cfg, b, b, state_bytes, cp), blk, spec.page_tokens,
                          # the GDN state is fp32 already; K/V and the conv tail widen to fp32
                          lambda kind: kind.row_bytes if kind.name == "gdn_state"
-                         else kind.row_bytes * acc / b))
+                         else kind.row_bytes * acc / b, branch_members(spec)))
