@@ -386,10 +386,7 @@ def phase_peaks_worker(rank, cases, blocks):
         ls = LongStrawConfig(group_size=2, max_response_len=16, **blocks)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             forward_backward_longstraw(model, group, ls)
-        own = {}
-        for phase in meter.phases:
-            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
-        return own
+        return meter.own_peaks
 
     PageStore.device_copies = True
     outs = []
@@ -448,10 +445,7 @@ def response_peaks_worker(rank, cases, settings, lengths, blocks):
         ls = LongStrawConfig(group_size=2, max_response_len=response_len, **blocks, **overrides)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             forward_backward_longstraw(model, group, ls)
-        own = {}
-        for phase in meter.phases:
-            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
-        return own
+        return meter.own_peaks
 
     outs = []
     for family, cp, ep, state_path in cases:

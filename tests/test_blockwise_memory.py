@@ -58,10 +58,7 @@ def _peaks(model, cfg, response_len, **overrides):
                          **{**BLOCKS, **overrides})
     with LiveBytesMeter("cpu", exclude_host=True) as meter:
         forward_backward_longstraw(model, group, ls)
-    own = {}
-    for phase in meter.phases:
-        own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
-    return own
+    return meter.own_peaks
 
 
 def _check(family, cfg, at_r, at_4r, label):

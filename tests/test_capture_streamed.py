@@ -176,9 +176,7 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
         ls = LongStrawConfig(group_size=2, page_tokens=128, **BLOCKS)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             capture_prompt(model, _prompt(cfg, prompt_len), ls)
-        own = {}
-        for phase in meter.phases:
-            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+        own = meter.own_peaks
         spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len, group_size=2,
                                 response_len=16, weight_bytes=4, act_bytes=4, latent_bytes=4,
                                 index_key_bytes=4, page_tokens=128, gdn_kernels="torch", **BLOCKS)

@@ -55,10 +55,7 @@ def _phases(model, vocab, prompt_len, members=2, prompt_grad="detached", device_
             forward_backward_longstraw(model, group, ls)
     finally:
         PageStore.device_copies = False
-    own = {}
-    for phase in meter.phases:
-        own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
-    return own
+    return meter.own_peaks
 
 
 @pytest.fixture(scope="module", params=["glm52", "qwen36", "deepseekv3"])
@@ -277,10 +274,7 @@ def _phases_at_response(model, vocab, response_len):
             forward_backward_longstraw(model, group, ls)
     finally:
         PageStore.device_copies = False
-    own = {}
-    for phase in meter.phases:
-        own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
-    return own
+    return meter.own_peaks
 
 
 def _planned_at_response(family, cfg, response_len) -> dict[str, float]:

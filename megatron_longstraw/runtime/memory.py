@@ -157,6 +157,15 @@ class LiveBytesMeter:
             peaks[phase.name] = max(peaks.get(phase.name, phase.peak_bytes), phase.peak_bytes)
         return peaks
 
+    @property
+    def own_peaks(self) -> dict[str, int]:
+        """Each phase name's own peak: its peak minus what was live when it began (what earlier
+        phases still held), the largest if repeated."""
+        own: dict[str, int] = {}
+        for phase in self.phases:
+            own[phase.name] = max(own.get(phase.name, 0), phase.peak_bytes - phase.start_bytes)
+        return own
+
     def __enter__(self) -> "LiveBytesMeter":
         if LiveBytesMeter._active is not None:
             raise RuntimeError("a LiveBytesMeter is already active: meters do not nest (the peak "

@@ -38,7 +38,7 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
     prompt rows plus the branch's own, [P/CP + R_pad, d_qk], once per layer."""
     acc = acc or max(b, 4.0)
     h, H, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    d_qk, V = kvr + cfg.qk_rope_head_dim, cfg.vocab_size
+    d_qk = kvr + cfg.qk_rope_head_dim
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
     # local prompt rows + a blockwise branch's earlier blocks' rows here + the block's own
@@ -69,7 +69,7 @@ def deepseekv3_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float,
 def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
     cfg = spec.model
     b, acc = spec.act_bytes, max(spec.act_bytes, 4.0)
-    h, H, kvr, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    H, kvr, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     d_qk, v = kvr + dr, cfg.v_head_dim
     cp = spec.cp
     n, total, rows, r_pad = rank_rows(prompt_len, cp, spec.response_len)

@@ -55,7 +55,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
     """
     acc = acc or max(b, 4.0)
     h, H, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    d_qk, V = kvr + cfg.qk_rope_head_dim, cfg.vocab_size
+    d_qk = kvr + cfg.qk_rope_head_dim
     c = rows
     q = rows * cp                                      # attention query rows (gathered under CP)
     k = min(cfg.index_topk, prefix_len + earlier * cp + q)   # selection width
@@ -116,7 +116,7 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
 def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     cfg = spec.model
     b, acc = spec.act_bytes, max(spec.act_bytes, 4.0)
-    h, H, kvr, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    H, kvr, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     d_qk, di, hi, topk = kvr + dr, cfg.index_head_dim, cfg.index_n_heads, cfg.index_topk
     cp = spec.cp
     n, total, rows, r_pad = rank_rows(prompt_len, cp, spec.response_len)

@@ -179,7 +179,7 @@ def qwen36_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, quer
     _check_qwen36_cp(cfg, cp)
     acc = acc or max(b, 4.0)
     f = max(4.0, b)                                    # the torch delta rule computes in float32
-    h, V, ffn = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
     H, G, d, rot = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim()
     hk, hv = cfg.linear_num_key_heads // cp, cfg.linear_num_value_heads // cp   # this rank's heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -289,7 +289,6 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
 
     # Capture (capture.py, attention.py, gdn.py; models/common.run_group), one layer at a time.
     tb = min(spec.token_block, max(n, 1))
-    qb = min(spec.query_block, max(n, 1))
     kb = spec.key_block
     scores = lambda queries: 3 * queries * H * kb * acc  # scores, probabilities, their product
     fla_block = lambda tokens: (             # FLA forward scratch for `tokens` rows
