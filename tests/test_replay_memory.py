@@ -289,21 +289,14 @@ def _planned_at_response(family, cfg, response_len) -> dict[str, float]:
     return {phase: planner.phase_bytes(plan.phases[phase]) for phase in ("scoring", "replay")}
 
 
-# Where a blockwise run holds more than the plan (measured on the tiny models, fp32, R = 32 and
-# 128 with blocks of 16; ratio = measured / planned). Not planner lines: the code keeps these, and
-# the planner states no bound for them yet (issue #30, not traced line by line):
-# - GLM-5.2 replay 1.02-1.07, scoring 1.04; Qwen3.6 replay 1.11-1.12, scoring 1.11-1.14.
-BLOCKWISE_OVER_PLAN = {("glm52", "scoring"), ("glm52", "replay"), ("qwen36", "replay"),
-                       ("qwen36", "scoring")}
-
-
 @pytest.mark.parametrize("phase", ["scoring", "replay"])
 def test_blockwise_phase_peaks_against_the_planner_at_two_response_lengths(measured, phase):
     """The planner's scoring and replay lines for a blockwise branch (response_block = 16: 2 and
     8 blocks) against the meter at two response lengths, the pages copied as to a device: the plan
-    must be an upper bound. Where the code is known to hold more (BLOCKWISE_OVER_PLAN) the check
-    is an expected failure (strict: it fails once the plan bounds the run, so the list is kept
-    honest)."""
+    is an upper bound the runs reach to at least 70% (observed, fp32: GLM-5.2 scoring 0.93-0.95,
+    replay 0.91-0.96; Qwen3.6 0.96-0.99, 0.94-0.95; DeepSeek-V3 0.90-0.92, 0.73-0.86). The lines
+    this needed: every layer's emitted block state and, in replay, its cotangent seeds
+    (`footprint.block_state_items`)."""
     family, cfg, *_, model = measured
     _phases_at_response(model, cfg.vocab_size, R_BLOCK)                 # warm-up
     ratios = []
@@ -313,12 +306,7 @@ def test_blockwise_phase_peaks_against_the_planner_at_two_response_lengths(measu
         ratios.append(own / planned)
         print(f"{family} R={response_len} block={R_BLOCK}: {phase} own peak {own} B, planned "
               f"{planned:.0f} B ({own / planned:.3f})")
-    if (family, phase) in BLOCKWISE_OVER_PLAN:
-        if max(ratios) <= 1.0:
-            pytest.fail(f"{family} {phase}: the plan now bounds the run ({ratios}); drop it from "
-                        "BLOCKWISE_OVER_PLAN")
-        pytest.xfail(f"{family} {phase}: the run holds more than the plan ({ratios})")
-    assert max(ratios) <= 1.0, ratios
+    assert all(0.7 <= ratio <= 1.0 for ratio in ratios), ratios
 
 
 def test_branch_host_pages_against_the_meter(measured):

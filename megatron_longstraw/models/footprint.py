@@ -325,6 +325,26 @@ def branch_host_pages(kinds: list[PageKind], blocks: BranchBlocks, page_tokens: 
     return items
 
 
+def block_state_items(kinds: list[PageKind], blocks: BranchBlocks, grad_bytes) -> list[Item]:
+    """Device bytes of a blockwise branch's current block on one rank (replay.py `_Blocks`): in
+    scoring and replay's forward, every layer's emitted rows of the block [block/CP, row] and end
+    state (the model's dtype), held until the block ends and `keep` moves them to the host pages;
+    in the reverse walk, the cotangent seeds of the block's own rows and of its end state, every
+    kind but the index keys, brought to the device for the block's one backward (`rewind`,
+    `carried_grads`; `grad_bytes(kind)` per row). Nothing for a branch of one block."""
+    if blocks.num_blocks == 1:
+        return []
+    rows = lambda kind: blocks.rows if kind.sequence else 1
+    live = [k for k in kinds if k.num_layers]
+    return [Item("the block's emitted rows and end state, every layer [block/CP, row] (until the "
+                 "block joins the host pages)",
+                 sum(k.num_layers * rows(k) * k.row_bytes for k in live), measured=True),
+            Item("the block's cotangent seeds, every layer [block/CP, row] >= fp32 (replay's "
+                 "backward of the block)",
+                 sum(k.num_layers * rows(k) * grad_bytes(k) for k in live
+                     if k.name != "index_key"), measured=True)]
+
+
 def rms_norm_saved(rows: int, width: int, b: float) -> float:
     """torch RMSNorm under autograd on [rows, width]: input, rstd x2, two products."""
     return (3 * rows * width + 2 * rows) * b

@@ -160,9 +160,15 @@ class StateAwareMixer:
         carried state at the block's end) to `state.branch.emitted` (replay.py keeps it for the
         later blocks, or seeds its cotangent). Nothing for a whole branch. The first emission
         is kept: an activation checkpoint's recompute in backward emits again, and holding the
-        recomputed tensor would hold its layer's recomputed graph until the block ends."""
-        if state.branch is not None and tensor is not None:
-            state.branch.emitted.setdefault((self.layer_idx, kind), tensor)
+        recomputed tensor would hold its layer's recomputed graph until the block ends. A view
+        into a larger buffer (V of the fused QKV output, the conv tail of [tail; block]) is
+        copied: every layer's emission lives until the block ends, and the view would keep the
+        whole buffer."""
+        if state.branch is None or tensor is None or (self.layer_idx, kind) in state.branch.emitted:
+            return
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        state.branch.emitted[(self.layer_idx, kind)] = tensor
 
     def _exact_grad_to_page(self, state: AttentionPass, kind: str) -> bool:
         """The pass is `PromptGrad.EXACT` and the pages keep a cotangent buffer for this layer's

@@ -207,7 +207,7 @@ class EarlierBlocks:
     the rows' cotangents."""
     positions: torch.Tensor
     """[n] global positions of those rows (ascending; n = 0 for the first block)."""
-    emitted: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    emitted: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
     """Filled by the mixers: the current block's state by (layer, kind) (this rank's key rows;
     the carried state at the block's end)."""
 

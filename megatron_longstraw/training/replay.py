@@ -424,7 +424,13 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                 if seed is not None and tensor.requires_grad:
                     outputs.append(tensor)
                     cotangents.append(seed.to(tensor.device, tensor.dtype).reshape(tensor.shape))
+                # Only the seeded outputs stay referenced: an emitted tensor no cotangent reaches
+                # (the last block's state) would keep its checkpointed layer's recompute of the
+                # saved tensors behind it (never unpacked) alive through the whole backward. The
+                # key stays, so the recompute's re-emission is still ignored (`emit_branch`).
+                view.emitted[key] = None
             torch.autograd.backward(outputs, cotangents)
+            del outputs, cotangents
             if view is not None:     # the pass is reachable from the graph (a page sink's
                 view.emitted.clear()  # closure): no cycle keeps the block's graph alive
         if kept is not None:

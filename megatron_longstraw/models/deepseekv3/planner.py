@@ -8,9 +8,9 @@ are the dense attention core and the group-limited router's scratch."""
 from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, local_prompt_rows, lse_merge_saved,
-    branch_blocks_rows, branch_host_pages, branch_members, head_chunk_bytes, outside_layers_saved,
-    rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, block_state_items, branch_blocks_rows,
+    branch_host_pages, branch_members, head_chunk_bytes, local_prompt_rows, lse_merge_saved,
+    outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -105,13 +105,16 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                     "the member's log-probs [R/CP] fp32 (per block, kept)", 16 * earlier + rows * acc),
                Item("the earlier blocks' latent rows of one layer [R/CP, latent] (read from the "
                     "branch pages) + their positions", earlier * (d_qk * b + 8))]
-    scoring = common + [
+    branch_kinds = deepseekv3_pages(cfg, b)           # the branch's own rows: the model's dtype
+    widened = lambda kind: kind.row_bytes * acc / b    # a cotangent row: fp32 or wider
+    block_state = block_state_items(branch_kinds, blk, widened)
+    scoring = common + block_state[:1] + [
         Item("scoring LM head (chunked): logits and log-softmax [min(block/CP, 1024), vocab] fp32",
              head_chunk_bytes(cfg, c, acc, 2)),
         Item("dense attention block [query_block, heads, key_block]", scores(qs), group="step"),
         lse_merge_item(cfg, q, cp, acc),
     ]
-    replay = common + [
+    replay = common + block_state + [
         Item("replay checkpoint inputs [block/CP, h] x layers + token ids",
              saved["checkpoint_inputs"] + saved["embedding"]),
         Item("replay recompute working set (one decoder layer)", saved["layer_working_set"],
@@ -133,6 +136,5 @@ def deepseekv3(spec: PlanSpec, prompt_len: int) -> Footprint:
                              "capture (MoE layer)": capture_moe,
                              "scoring": scoring, "replay": replay},
                      replay_saved=saved, notes=notes,
-                     host=capture_host + branch_host_pages(
-                         deepseekv3_pages(cfg, b), blk, spec.page_tokens,
-                         lambda kind: kind.row_bytes * acc / b, branch_members(spec)))
+                     host=capture_host + branch_host_pages(branch_kinds, blk, spec.page_tokens,
+                                                           widened, branch_members(spec)))

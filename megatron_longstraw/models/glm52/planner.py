@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from megatron_longstraw.kernels import refs
 from megatron_longstraw.models.footprint import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
-    branch_members, head_chunk_bytes, local_prompt_rows, lse_merge_saved, outside_layers_saved, rank_rows,
-    rms_norm_saved, streamed_capture_device, streamed_capture_host,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, block_state_items, branch_blocks_rows,
+    branch_host_pages, branch_members, head_chunk_bytes, local_prompt_rows, lse_merge_saved,
+    outside_layers_saved, rank_rows, rms_norm_saved, streamed_capture_device, streamed_capture_host,
 )
 from megatron_longstraw.models.mla_footprint import (
     CP_REPLAY_NOTE, capture_moe_items, ffn_saved, lse_merge_item, mla_moe_params, mla_outer_saved,
@@ -185,13 +185,14 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
                                 "int32 (this rank's rows)",
                                 spec.group_size * cfg.num_full_indexer_layers() * rows * k * 4,
                                 measured=True)]
-    host += branch_host_pages(branch_kinds, blk, spec.page_tokens,
-                              lambda kind: kind.row_bytes * acc / b, branch_members(spec))
+    widened = lambda kind: kind.row_bytes * acc / b    # a cotangent row: fp32 or wider
+    host += branch_host_pages(branch_kinds, blk, spec.page_tokens, widened, branch_members(spec))
+    block_state = block_state_items(branch_kinds, blk, widened)
     # One layer's earlier-block rows read to the device (like the prompt's page window): latents,
     # and in scoring the index keys for the top-k.
     earlier_latents = Item("the earlier blocks' latent rows of one layer [R/CP, latent] (read "
                            "from the branch pages)", earlier * d_qk * b)
-    scoring = common + [
+    scoring = common + block_state[:1] + [
         Item("streamed page window (2 layers' local pages)", two_layers),
         earlier_latents,
         Item("the earlier blocks' index keys of one layer [R/CP, index] (read from the branch "
@@ -226,7 +227,7 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
              group="step"),
         lse_merge_item(cfg, q, cp, acc),
     ]
-    replay = common + [
+    replay = common + block_state + [
         # The backward's recompute reads one layer's latent rows; the forward holds two layers'
         # prefetched pages (every kind), while no layer's saved tensors are alive.
         Item("streamed page window: one layer's local latent rows (the backward)", latent_rows),

@@ -5,9 +5,9 @@ live-bytes meter, see `qwen36`)."""
 from __future__ import annotations
 
 from megatron_longstraw.models.footprint import (
-    Footprint, Item, PageKind, ParamGroup, PlanSpec, branch_blocks_rows, branch_host_pages,
-    branch_members, head_chunk_bytes, lse_merge_saved, outside_layers_saved, phase_bytes,
-    rank_rows, streamed_capture_device, streamed_capture_host,
+    Footprint, Item, PageKind, ParamGroup, PlanSpec, block_state_items, branch_blocks_rows,
+    branch_host_pages, branch_members, head_chunk_bytes, lse_merge_saved, outside_layers_saved,
+    phase_bytes, rank_rows, streamed_capture_device, streamed_capture_host,
 )
 
 
@@ -385,7 +385,12 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                   "member's log-probs [R/CP] fp32 (per block, kept)", 16 * earlier + rows * acc)
     earlier_kv = Item("the earlier blocks' K/V rows of one attention layer [R/CP, 2 x groups x d] "
                       "(read from the branch pages) + their positions", earlier * (kv_row + 8))
-    scoring = [window, tables, earlier_kv,
+    # The branch's own state: the model's dtype; its cotangents: the GDN state is fp32 already,
+    # K/V and the conv tail widen to fp32.
+    branch_kinds = qwen36_pages(cfg, b, b, state_bytes, cp)
+    widened = lambda kind: kind.row_bytes if kind.name == "gdn_state" else kind.row_bytes * acc / b
+    block_state = block_state_items(branch_kinds, blk, widened)
+    scoring = block_state[:1] + [window, tables, earlier_kv,
                Item("scoring attention layer over the branch: capture's token-block lines for "
                     "one block's queries", phase_bytes(attention_block(q)), group="layer"),
                gdn_scoring,
@@ -395,7 +400,7 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                     "vocab] fp32", head_chunk_bytes(cfg, c, acc, 2), group="layer"),
                Item("LSE merge: [weight * out; weight] [block, heads, d + 1] fp32 + reduce-scatter",
                     2 * q * H * (d + 1) * acc if cp > 1 else 0)]
-    replay = [
+    replay = block_state + [
         Item(f"{window.name}; scoring's bytes, seen there", window.bytes),
         tables, earlier_kv,
         Item("replay checkpoint inputs [block/CP, h] x layers + token ids",
@@ -448,8 +453,5 @@ def qwen36(spec: PlanSpec, prompt_len: int) -> Footprint:
                              "capture (GDN layer)": capture_gdn, "capture (MLP layer)": capture_mlp,
                              "scoring": scoring, "replay": replay},
                      replay_saved=saved, notes=notes,
-                     host=capture_host + branch_host_pages(
-                         qwen36_pages(cfg, b, b, state_bytes, cp), blk, spec.page_tokens,
-                         # the GDN state is fp32 already; K/V and the conv tail widen to fp32
-                         lambda kind: kind.row_bytes if kind.name == "gdn_state"
-                         else kind.row_bytes * acc / b, branch_members(spec)))
+                     host=capture_host + branch_host_pages(branch_kinds, blk, spec.page_tokens,
+                                                           widened, branch_members(spec)))
