@@ -55,7 +55,9 @@ def parse_args(argv=None):
                         "--checkpoint model-format directory's longstraw.json (step settings: "
                         "the defaults).")
     weights = p.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors.")
+    weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors, a "
+                         "model-format directory, or a full-parameter training checkpoint (a "
+                         "step_N folder or a --save folder) of any CP/EP layout.")
     weights.add_argument("--random-init", action="store_true",
                          help="Random weights from --seed (smoke tests), the same at every "
                               "CP/EP layout (megatron_longstraw/models/expert_init.py).")
