@@ -4,11 +4,24 @@
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2 --out glm52-ls --dtype bf16
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2-back --out glm52-ls --to-hf
     python tools/convert_hf.py --family qwen36 --hf-dir Qwen3.6-27B --out qwen36-ls --dtype bf16
+    python tools/convert_hf.py --family glm52 --hf-dir glm52-trained --out runs/ckpt --to-hf
 
 `--hf-dir` is always the Hugging Face directory (config.json + *.safetensors, sharded with
 model.safetensors.index.json or not) and `--out` the plugin-format directory
 (megatron_longstraw/checkpointing/checkpoint.py documents it): the command reads the first and writes the second,
 and the same command with `--to-hf` goes back (it never overwrites a non-empty directory).
+
+`--to-hf` also reads a training checkpoint as `--out`: a `step_N` folder, or the run's `--save`
+folder (its latest checkpoint); megatron_longstraw/checkpointing/export.py reads it. A
+full-parameter checkpoint of any CP/EP layout is reassembled by name (`model.safetensors` plus
+every EP rank's `experts_ep<e>.safetensors`); a LoRA / QLoRA checkpoint is exported merged
+(base + scaling * B A, the base rebuilt from the recorded source or seed and checked against the
+run's fingerprints; an unmerged export is not offered: the adapters sit on Megatron's fused
+linears, which have no one-to-one Hugging Face module). The HF config.json of the run's initial
+weights (a tools/convert_hf.py output) is kept when it still describes the model. `--fp8 keep`
+(default) writes the weights the source held in block FP8 in FP8 again (unchanged ones byte for
+byte, trained or merged ones quantised anew in 128 x 128 blocks); `--fp8 dequantize` writes them
+in `--dtype`.
 
 The tensor mapping is the family's hf.py (the one its state-dict functions and logit-parity tests
 use), applied to tensors by name: no model and no process group are built. What differs between the
@@ -84,9 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-dir", required=True, type=Path,
                         help="Hugging Face checkpoint directory (read; written with --to-hf).")
     parser.add_argument("--out", required=True, type=Path,
-                        help="megatron_longstraw model-format directory (written; read with --to-hf).")
+                        help="megatron_longstraw model-format directory (written; read with "
+                             "--to-hf, like a training checkpoint).")
     parser.add_argument("--to-hf", action="store_true",
-                        help="Convert --out back to a Hugging Face checkpoint in --hf-dir.")
+                        help="Convert --out back to a Hugging Face checkpoint in --hf-dir; --out "
+                             "may also be a training checkpoint (a step_N folder, or a --save "
+                             "folder: its latest), full-parameter at any CP/EP layout or LoRA "
+                             "(exported merged).")
+    parser.add_argument("--fp8", choices=("keep", "dequantize"), default="keep",
+                        help="With --to-hf: weights the source holds in block FP8 (an FP8 "
+                             "conversion, or a run started from one) are written in FP8 (keep; "
+                             "changed ones quantised anew) or dequantised to --dtype.")
     parser.add_argument("--dtype", choices=sorted(model_format.DTYPES), default=None,
                         help="Weight dtype written (default: the source's; GLM-5.2 routers' "
                              "expert bias stays float32).")
@@ -101,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = model_format.DTYPES[args.dtype] if args.dtype else None
     try:
         if args.to_hf:
-            summary = longstraw_to_hf(family, args.out, args.hf_dir, dtype, args.max_shard_size)
+            summary = longstraw_to_hf(family, args.out, args.hf_dir, dtype, args.max_shard_size,
+                                      args.fp8)
             where = args.hf_dir
         else:
             if args.out.exists() and any(args.out.iterdir()):

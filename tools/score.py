@@ -55,11 +55,12 @@ def parse_args(argv=None):
                         "--checkpoint model-format directory's longstraw.json (step settings: "
                         "the defaults).")
     weights = p.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors.")
+    weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors, a "
+                         "model-format directory, or a full-parameter training checkpoint (a "
+                         "step_N folder or a --save folder) of any CP/EP layout.")
     weights.add_argument("--random-init", action="store_true",
-                         help="Random weights from --seed (smoke tests). They depend on the CP/EP "
-                              "layout too (each rank initialises its own experts): compare layouts "
-                              "with --checkpoint.")
+                         help="Random weights from --seed (smoke tests), the same at every "
+                              "CP/EP layout (megatron_longstraw/models/expert_init.py).")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--input", required=True, help="JSONL of groups (examples/data/README.md).")
     p.add_argument("--out", required=True, help="Output JSONL (one line per group).")

@@ -242,10 +242,16 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """A content checksum of this rank's model tensors (names, shapes, dtypes, bits): equal for
     bitwise-equal weights, different for other weights whatever the summation order or device
     (integer sums of the bits, exact). One pass over the weights, on their device."""
+    return tensors_fingerprint(local_tensors(model))
+
+
+def tensors_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """`model_fingerprint` of a name -> tensor dict (a rank's local tensors, however obtained:
+    checkpointing/export.py rebuilds each rank's view of a base to check it)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(local_tensors(model).items()):
+    for name, tensor in sorted(tensors.items()):
         flat = tensor.detach().reshape(-1)
         if flat.dtype == torch.bool:
             flat = flat.to(torch.uint8)

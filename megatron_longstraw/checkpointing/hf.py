@@ -4,7 +4,8 @@ conversion, block-FP8 checkpoints and each family's particulars).
 
 `hf_to_longstraw` reads a Hugging Face directory (config.json + *.safetensors, sharded with
 model.safetensors.index.json or not; `hf_weight_files`) lazily, one tensor at a time, and writes
-the model format; `longstraw_to_hf` writes it back shard by shard. The tensor mapping is the
+the model format; `longstraw_to_hf` writes it back shard by shard, from the model format or from
+a training checkpoint (export.py reads either). The tensor mapping is the
 family's hf.py (its record's `hf`, `HFConversion` in models/family.py, collected by
 models/registry.py); the reading, checking and writing are shared here. A checkpoint that cannot be
 converted raises `ConversionError` (a ValueError) saying why and what to do.
@@ -188,11 +189,17 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
 
 
 def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
-                    max_shard_bytes: int) -> dict:
-    """Model format -> Hugging Face directory of `family` (config.json + safetensors shards)."""
+                    max_shard_bytes: int, fp8_mode: str = "keep") -> dict:
+    """Model format, or a training checkpoint (full parameters at any CP/EP layout, or LoRA
+    adapters, merged; export.py), -> Hugging Face directory of `family` (config.json +
+    safetensors shards). `fp8_mode`: "keep" writes the source's block-FP8 weights in FP8,
+    "dequantize" in `dtype` (export.fp8_layout)."""
     import transformers
 
-    meta, tensors = model_format.read_model(model_dir)
+    from megatron_longstraw.checkpointing import export
+
+    meta, tensors = export.read_weights(model_dir)
+    tensors = export.fp8_layout(meta, tensors, fp8_mode)
     if meta["family"] != family.name:
         raise ConversionError(f"{model_dir} holds a {meta['family']!r} model, not {family.name}.")
     cfg = family.config_class.from_dict(meta["model"])
@@ -212,6 +219,8 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
                                                            f"{next(iter(pairs))}")
         if getattr(config, "quantization_config", None) is None:
             config.quantization_config = dict(fp8.QUANTIZATION_CONFIG)
+    elif getattr(config, "quantization_config", None) is not None:   # --fp8 dequantize
+        del config.quantization_config
     expected = _expected_hf_shapes(family, config.to_dict())
 
     # (hf name, model-format name, transform of the model-format tensor); an FP8 weight's scale

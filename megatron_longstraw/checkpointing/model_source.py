@@ -1,8 +1,8 @@
 """The model a scoring or generating entry point runs (tools/score.py, tools/generate.py): which
 family and model config (`resolve_model_source`: given, or read from a model-format directory's
 longstraw.json), the model built by the family's registry record (`build_model`) and its weights
-(`load_weights`: a model-format directory, or a bare checkpoint, a folder with model.safetensors
-only).
+(`load_weights`: a model-format directory, a full-parameter training checkpoint of any CP/EP
+layout, or a bare checkpoint, a folder with model.safetensors only).
 
 A model-format directory (tools/convert_hf.py's output, model_format.py) carries its family and
 model config: the family and config may then be left out; given, they must match it. A bare
@@ -62,7 +62,12 @@ def load_weights(model, path: str | Path, num_experts: int) -> Path:
     from megatron_longstraw.distributed import expert_names
     from megatron_longstraw.runtime.errors import CheckpointError, InputNotFound
 
+    from megatron_longstraw.checkpointing import export
+
     path = Path(path)
+    if path.is_dir() and not model_format.is_model_format(path) and (
+            found := export.resolve_training_checkpoint(path)) is not None:
+        return _load_training_checkpoint(model, found, num_experts)
     file = path / "model.safetensors" if path.is_dir() else path
     if not file.is_file():
         raise InputNotFound(f"--checkpoint {path}: no model.safetensors there; pass a "
@@ -80,6 +85,31 @@ def load_weights(model, path: str | Path, num_experts: int) -> Path:
                                   "checkpoint.")
     expert_names.load_full_state_dict(model, full, num_experts)
     return file
+
+
+def _load_training_checkpoint(model, found: Path, num_experts: int) -> Path:
+    """A full-parameter training checkpoint (any CP/EP layout: export.read_weights reassembles
+    its expert shards) into `model`; a LoRA checkpoint is refused (export it merged first)."""
+    from megatron_longstraw.checkpointing import checkpoint, export, model_format
+    from megatron_longstraw.distributed import expert_names
+    from megatron_longstraw.runtime.errors import CheckpointError
+
+    saved = checkpoint.read_checkpoint_meta(found)
+    if saved.get("lora"):
+        raise CheckpointError(f"--checkpoint {found} holds LoRA adapters only; write the merged "
+                              "model first (tools/convert_hf.py --to-hf, or the run's "
+                              "--longstraw-save-merged) and score that.")
+    meta, tensors = export.read_weights(found)
+    model_format.check_model_config(meta, model, found / checkpoint.TRAIN_META)
+    bad = [f"{n}: saved {tensors.shape(g)}, model {tuple(t.shape)}"
+           for n, t in model_format.local_tensors(model).items()
+           if (g := expert_names.global_name(n, num_experts)) in tensors
+           and tensors.shape(g) != tuple(t.shape)]
+    if bad:
+        raise CheckpointError(f"--checkpoint {found}: shape mismatch for {len(bad)} tensors: "
+                              f"{bad[:5]}.")
+    expert_names.load_full_state_dict(model, tensors, num_experts)
+    return found
 
 
 def resolve_model_source(family: str | None, config: str | None,

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron_longstraw.models.expert_init import seed_experts
+from megatron_longstraw.runtime import platform
 from megatron_longstraw.runtime.patches.layer_state import release_call_state
 from megatron_longstraw.state.attention_pass import AttentionPass
 
@@ -142,7 +144,8 @@ def head_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor,
 
 def build_hybrid_model(cfg, tcfg, stack_spec, params_dtype: torch.dtype):
     """A Megatron `HybridModel` for a family config `cfg` (vocab, positions, pattern, tying) with
-    RoPE applied inside the mixers at true positions, cast to one dtype (Megatron's local norms
+    RoPE applied inside the mixers at true positions, its routed experts drawn independently of
+    the EP layout (models/expert_init.py), cast to one dtype (Megatron's local norms
     ignore params_dtype; Megatron's Float16Module casts the same way for bf16)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -157,6 +160,7 @@ def build_hybrid_model(cfg, tcfg, stack_spec, params_dtype: torch.dtype):
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="none",
     )
-    model.to(dtype=params_dtype)
     model.longstraw_config = cfg
+    seed_experts(model, platform.init_seed())   # routed experts by (seed, global name)
+    model.to(dtype=params_dtype)
     return model

@@ -9,11 +9,14 @@ Starting point: `megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spe
   `q_a_layernorm` / `kv_a_layernorm` (Megatron would pass `layernorm_epsilon`);
 - TransformerEngine modules -> the given backend (the local `LocalSpecProvider` by default:
   ColumnParallelLinear, RowParallelLinear, torch norms, SequentialMLP experts; the GPU backend
-  swaps TE back in, kernels/te.py).
+  swaps TE back in, kernels/te.py);
+- the MoE layer's experts builder -> the same builder kept off the init stream
+  (models/expert_init.py: initial weights independent of the EP size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -29,6 +32,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from megatron_longstraw.models.expert_init import experts_off_stream
 
 
 def fixed_eps_norm(norm_builder, eps: float):
@@ -91,10 +96,19 @@ def mla_moe_stack_spec(backend, slot: str, mixer: type, core_attention, latent_n
                 module=MoETransformerLayer,
                 submodules=TransformerLayerSubmodules(
                     pre_mlp_layernorm=rms_norm,
-                    mlp=get_moe_module_spec_for_backend(backend=backend, num_experts=8,
-                                                        moe_grouped_gemm=False),
+                    mlp=_moe_spec(backend),
                     mlp_bda=get_bias_dropout_add,
                 ),
             ),
         ),
     )
+
+
+def _moe_spec(backend):
+    """Megatron's MoE spec for `backend` (SequentialMLP experts) with the experts' builder kept off
+    the init stream (models/expert_init.py: initial weights independent of the EP size)."""
+    moe = get_moe_module_spec_for_backend(backend=backend, num_experts=8, moe_grouped_gemm=False)
+    submodules = moe.keywords["submodules"]
+    submodules = dataclasses.replace(submodules,
+                                     experts=experts_off_stream(submodules.experts))
+    return partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})

@@ -73,6 +73,15 @@ class CPURNGStatesTracker:
             torch.set_rng_state(original)
 
 
+_SEED: int | None = None
+
+
+def init_seed() -> int:
+    """The seed of the last `manual_seed` (torch's initial seed before any): what
+    models/expert_init.py derives each routed expert's generator from."""
+    return _SEED if _SEED is not None else torch.initial_seed()
+
+
 def manual_seed(seed: int) -> None:
     """Seed every RNG stream Megatron uses (replaces `model_parallel_cuda_manual_seed` on CPU).
 
@@ -82,6 +91,8 @@ def manual_seed(seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
+    global _SEED
+    _SEED = int(seed)
     torch.manual_seed(seed)
     if has_cuda():
         mrandom.model_parallel_cuda_manual_seed(seed)

@@ -98,7 +98,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
         model_format.load_model(init, model, family=family, fp8_sources=fp8_sources)
         messages.append(f"initialised from model-format weights {init}")
     meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
-            "lora": None}
+            "lora": None, "dtype": model_format.DTYPE_NAMES[dtype]}   # dtype: checkpointing/export.py
     if lora is not None:
         base = {"source": meta["initial_weights"], "seed": None if init else ls.seed}
         fingerprint = checkpoint.model_fingerprint(model)
