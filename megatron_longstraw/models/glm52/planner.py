@@ -104,11 +104,15 @@ def glm52_replay_saved(cfg, rows: int, cp: int, prefix_len: int, b: float, route
             "layer_working_set_device": max(layers_device),
             "attention_working_set": attention, "head": head, "head_device": head,
             "loss": loss,
-            # The sparse core's backward: the own rows' gradient and one block's rows, their
-            # gradient and two score tensors (refs.sparse_mla_attention); saves no gathered rows.
-            # (The LM head's chunk backward is `head_chunk_bytes`, beside the layers' backward.)
-            "largest_saved_tensor": max(q * d_qk * acc + sparse_block * (2 * k * d_qk + 2 * H * k)
-                                        * acc, q * H * kvr * acc if cp > 1 else 0),
+            # The sparse core's backward (refs._SparseMLAAttention.backward): the queries'
+            # gradient [q, heads, latent], the own rows' [q, latent], and one block's gathered
+            # rows and their gradient [block, k, latent], the value product [block, k, kv_lora]
+            # and two score tensors [block, heads, k]; saves no gathered rows. (The LM head's
+            # chunk backward is `head_chunk_bytes`, beside the layers' backward.)
+            "largest_saved_tensor": max(
+                (q * H * d_qk + q * d_qk
+                 + sparse_block * (2 * k * d_qk + k * kvr + 2 * H * k)) * acc,
+                q * H * kvr * acc if cp > 1 else 0),
             "checkpointed": embed + inputs + head + loss,
             "uncheckpointed": embed + sum(layers) + head + loss}
 
