@@ -50,22 +50,36 @@ from megatron_longstraw.models.common import (
     head_logits,
     run_group,
 )
+from megatron_longstraw.rollout.env import EnvError, EnvLimits, call_step
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 from megatron_longstraw.state.pages import LayerRows, PageStore
 
 
 @dataclass
 class Generation:
-    """One member's response."""
+    """One member's response (with an environment: its whole trajectory, observations included)."""
 
     token_ids: torch.Tensor
-    """[n] sampled ids (int64), a stop id included when one ended it."""
+    """[n] sampled ids (int64), a stop id included when one ended it; with an environment, the
+    observations' ids in place."""
     logprobs: torch.Tensor
     """[n] the model's log-probs of them (temperature 1: what scoring computes)."""
     sample_logprobs: torch.Tensor
-    """[n] log-probs under the sampling distribution (temperature, top-k, top-p applied)."""
+    """[n] log-probs under the sampling distribution (temperature, top-k, top-p applied); an
+    observation token's: the model's (it was not sampled; masked out of the loss)."""
     stopped: bool
-    """True when a stop id ended it (False: `max_new_tokens` reached)."""
+    """True when a stop id ended it (False: `max_new_tokens` reached, or the environment)."""
+    loss_mask: torch.Tensor | None = None
+    """[n] bool, with an environment: True where the policy sampled the token, False for the
+    observations' tokens (context). None without one (every token is the policy's)."""
+    turns: list[dict] = field(default_factory=list)
+    """With an environment, one entry per env call: {"policy_tokens", "observation_tokens",
+    "reward"} (reward: the step's, or None)."""
+    env_reward: float | None = None
+    """The final reward an environment gave with `done` (None: the reward function decides)."""
+    end_reason: str = ""
+    """Why the member ended: "stop id", "max_new_tokens", "env done", "max turns", or
+    "env error: ..." (the environment raised, timed out or returned bad ids)."""
 
 
 @dataclass
@@ -177,10 +191,19 @@ class DecodeKeys:
 
 
 def generate(model, captured: CapturedPrompt, num_members: int, params: SamplingParams,
-             cfg: LongStrawConfig) -> list[Generation]:
-    """Sample `num_members` responses continuing the captured prompt (module docstring)."""
+             cfg: LongStrawConfig, envs: Sequence | None = None,
+             env_limits: EnvLimits | None = None, tokenizer=None) -> list[Generation]:
+    """Sample `num_members` responses continuing the captured prompt (module docstring).
+
+    `envs` (one per member; env.py): multi-turn trajectories. A member's turn ends at one of
+    its env's stop ids (or after `env_limits.turn_tokens` tokens); the env's observation is then
+    fed in as the member's next input rows, one per decode step beside the other members' sampled
+    rows (prefilled into its branch pages exactly as sampled tokens are), with loss mask 0."""
     if num_members < 1:
         raise ValueError(f"num_members={num_members}: generate at least one response.")
+    if envs is not None and len(envs) != num_members:
+        raise ValueError(f"{len(envs)} environments for {num_members} members: give one each.")
+    limits = env_limits or EnvLimits()
     device = next(model.parameters()).device
     groups = decoder_groups(model)
     # Branch pages no longer than a response can fill (a page is allocated whole: a member's
@@ -193,6 +216,7 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     logps: list[list[float]] = [[] for _ in range(num_members)]
     sample_logps: list[list[float]] = [[] for _ in range(num_members)]
     stopped = [False] * num_members
+    trajectories = [_Trajectory() for _ in range(num_members)]
     # One generator per member: a member's samples do not depend on when the others stop.
     samplers = [torch.Generator(device="cpu").manual_seed(params.seed * 1_000_003 + m)
                 for m in range(num_members)]
@@ -217,22 +241,78 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
             picked = _sample(sample_logp, params, [samplers[m] for m in active])
             still = []
             for row, member in enumerate(active):
-                token = int(picked[row])
+                path = trajectories[member]
+                forced = bool(path.pending)
+                token = path.pending.pop(0) if forced else int(picked[row])
                 tokens[member].append(token)
                 logps[member].append(float(model_logp[row, token]))
-                sample_logps[member].append(float(sample_logp[row, token]))
+                sample_logps[member].append(float((model_logp if forced else sample_logp)[row, token]))
+                path.mask.append(not forced)
                 last[member] = token
-                if token in stop_ids:
-                    stopped[member] = True
+                if forced:
+                    ended = False
+                elif token in stop_ids:
+                    stopped[member], path.end_reason, ended = True, "stop id", True
                 else:
+                    path.turn.append(token)
+                    ended = envs is not None and _turn_ends(
+                        envs[member], path, token, limits, model_logp.shape[-1], tokenizer,
+                        room=params.max_new_tokens - len(tokens[member]))
+                if not ended and len(tokens[member]) < params.max_new_tokens:
                     still.append(member)
             active = still
             if not active:
                 break
     return [Generation(torch.tensor(tokens[m], dtype=torch.long),
                        torch.tensor(logps[m], dtype=torch.float64),
-                       torch.tensor(sample_logps[m], dtype=torch.float64), stopped[m])
+                       torch.tensor(sample_logps[m], dtype=torch.float64), stopped[m],
+                       loss_mask=(torch.tensor(trajectories[m].mask, dtype=torch.bool)
+                                  if envs is not None else None),
+                       turns=trajectories[m].turns, env_reward=trajectories[m].reward,
+                       end_reason=trajectories[m].end_reason or "max_new_tokens")
             for m in range(num_members)]
+
+
+@dataclass
+class _Trajectory:
+    """One member's multi-turn state during `generate`."""
+
+    mask: list[bool] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)        # the policy's tokens of the open turn
+    pending: list[int] = field(default_factory=list)     # observation ids not yet fed in
+    turns: list[dict] = field(default_factory=list)
+    reward: float | None = None
+    end_reason: str = ""
+
+
+def _turn_ends(env, path: _Trajectory, token: int, limits: EnvLimits, vocab_size: int,
+               tokenizer, room: int) -> bool:
+    """After the policy's `token`: when it closes a turn, call the environment and queue its
+    observation (cut to the `room` left). True when the member ends here."""
+    if token not in set(env.stop_ids) and not (limits.turn_tokens
+                                               and len(path.turn) >= limits.turn_tokens):
+        return False
+    try:
+        observation, step = call_step(env, path.turn, limits, vocab_size, tokenizer)
+    except EnvError as exc:
+        path.end_reason = f"env error: {exc}"
+        return True
+    path.turns.append({"policy_tokens": len(path.turn), "observation_tokens": len(observation),
+                       "reward": step.reward})
+    path.turn = []
+    if step.done:
+        path.reward = None if step.reward is None else float(step.reward)
+        path.end_reason = "env done"
+        return True
+    if len(path.turns) >= limits.max_turns:
+        path.end_reason = "max turns"
+        return True
+    if len(observation) > room:
+        path.pending = observation[:room]
+        path.end_reason = "max_new_tokens (observation cut)"
+        return False          # the cut observation is still fed in; the length limit ends it
+    path.pending = observation
+    return False
 
 
 def _sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Multi-turn generation with an environment (rollout/env.py, decode.generate with `envs`): the
+observations are prefilled into each member's branch state from the captured prompt, so the
+log-probs of the whole trajectory equal one plain forward over [prompt; every turn] (fp64,
+<= 1e-9, three families; across a DSA selection window and a GDN chunk boundary); observation
+tokens carry loss mask 0; an environment that raises, hangs, returns bad ids, or exceeds the turn
+budget ends its member with a record, and the others go on."""
+
+import time
+
+import pytest
+import torch
+
+from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
+from megatron_longstraw.config.sampling import SamplingParams
+from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.context.capture import capture_prompt
+from megatron_longstraw.rollout.decode import generate
+from megatron_longstraw.rollout.env import EnvLimits, EnvStep, load_env_factory
+from megatron_longstraw.rollout.example_env import LookupEnv, lookup
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+
+def _build(family):
+    if family == "deepseekv3":
+        from test_deepseekv3 import build_tiny_deepseekv3
+
+        return build_tiny_deepseekv3(torch.float64)
+    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float64)
+
+
+def _ls(members):
+    return LongStrawConfig(group_size=members, query_block=7, key_block=23, token_block=19,
+                           max_response_len=64)
+
+
+# GLM-5.2: P = 40 with top-k 16, so every query selects among many keys and the trajectory's
+# own rows join the selection; Qwen3.6: P = 50, the trajectory crosses GDN's 64-token chunk.
+@pytest.mark.parametrize("family,prompt_len", [("glm52", 40), ("qwen36", 50),
+                                               ("deepseekv3", 30)])
+def test_prefilled_observations_equal_a_full_forward_over_every_turn(family, prompt_len):
+    cfg, model = _build(family)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(4))
+    ls = _ls(2)
+    captured = capture_prompt(model, prompt, ls)
+    envs = [LookupEnv(prompt) for _ in range(2)]          # no answer: turns end by length
+    outs = generate(model, captured, 2, SamplingParams(max_new_tokens=28, seed=7), ls,
+                    envs=envs, env_limits=EnvLimits(max_turns=5, turn_tokens=3))
+    worst = 0.0
+    for out, env in zip(outs, envs):
+        assert len(out.turns) >= 2 and env.calls == len(out.turns)
+        assert out.token_ids.numel() == out.loss_mask.numel() == out.logprobs.numel()
+        # each call's observation [key, value] follows its three policy tokens, masked out
+        mask = out.loss_mask.tolist()
+        assert mask[:5] == [True, True, True, False, False] and sum(not m for m in mask) >= 4
+        ids = out.token_ids.tolist()
+        assert ids[3] == ids[2] and ids[4] == env.values.get(ids[2], 0)
+        with torch.no_grad():
+            ref = full_sequence_logprobs(model, prompt, out.token_ids)
+        worst = max(worst, float((ref.double() - out.logprobs).abs().max()))
+    print(f"{family} P={prompt_len}: trajectory of {outs[0].token_ids.numel()} tokens, "
+          f"{len(outs[0].turns)} turns, decode vs full forward max |d logp| {worst:.1e}")
+    assert worst <= 1e-9
+
+
+class _Env:
+    """Test environments: `kind` says how the call goes wrong."""
+
+    def __init__(self, kind):
+        self.kind, self.stop_ids = kind, ()
+
+    def step(self, turn_ids):
+        if self.kind == "raises":
+            raise RuntimeError("tool crashed")
+        if self.kind == "hangs":
+            time.sleep(5)
+        if self.kind == "oov":
+            return EnvStep(observation=[10 ** 6])
+        if self.kind == "text":
+            return EnvStep(observation="the answer")
+        return EnvStep(observation=[1, 2])
+
+
+def test_a_failing_environment_ends_its_member_with_a_record_not_the_job():
+    cfg, model = _build("glm52")
+    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
+    ls = _ls(5)
+    captured = capture_prompt(model, prompt, ls)
+    kinds = ["raises", "hangs", "oov", "text", "fine"]
+    outs = generate(model, captured, 5, SamplingParams(max_new_tokens=20, seed=1), ls,
+                    envs=[_Env(k) for k in kinds],
+                    env_limits=EnvLimits(max_turns=3, turn_tokens=2, timeout_s=0.5))
+    reasons = {k: o.end_reason for k, o in zip(kinds, outs)}
+    assert "env error: env.step raised RuntimeError: tool crashed" == reasons["raises"]
+    assert "did not return within 0.5 s" in reasons["hangs"]
+    assert "outside the vocabulary" in reasons["oov"] and "1000000" in reasons["oov"]
+    assert "returned text but the run has no tokenizer" in reasons["text"]
+    # the failing members keep the turn they sampled; the fine one runs its turn budget
+    assert all(outs[i].token_ids.numel() == 2 for i in range(4))
+    fine = outs[4]
+    assert fine.end_reason == "max turns" and len(fine.turns) == 3
+    assert fine.loss_mask.tolist() == [True, True, False, False] * 2 + [True, True]
+
+
+def test_the_lookup_env_answers_from_the_prompt_and_rewards_the_answer_turn():
+    env = lookup({"answer": 9, "answer_turn": 3, "tool_end_id": 38, "unknown_id": 0},
+                 [5, 9, 7, 4, 5, 8])
+    assert env.stop_ids == (38,)
+    assert env.step([1, 5]).observation == [5, 9]        # first occurrence of key 5
+    assert env.step([3]).observation == [3, 0]           # not in the prompt
+    last = env.step([2, 9, 38])
+    assert last.done and last.reward == 1.0
+    other = lookup({"answer": 9}, [5, 9])
+    other.step([5]), other.step([5])
+    assert other.step([4]).reward == 0.0
+    assert load_env_factory("megatron_longstraw.rollout.example_env:lookup") is lookup
+    for spec, words in [("nomodule", "give 'module:factory'"),
+                        ("no_such_module_xyz:f", "cannot import"),
+                        ("megatron_longstraw.rollout.example_env:missing", "no callable")]:
+        with pytest.raises(ValueError, match=words):
+            load_env_factory(spec)
+    with pytest.raises(ValueError, match="max_turns=0"):
+        EnvLimits(max_turns=0)
