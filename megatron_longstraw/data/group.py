@@ -31,3 +31,11 @@ class GRPOGroup:
     """Optional [R_i, num_full_indexer_layers, k] int global key positions (-1: none) the engine's
     DSA indexer selected for each response token's branch row, per full indexer layer in order
     (the JSONL's `dsa_topk`): scoring and replay attend with them (routing_replay.py)."""
+    loss_masks: list[torch.Tensor] | None = None
+    """Optional G bool tensors [R_i]: True where response token t is trained (the policy produced
+    it), False where it is context only (a tool observation, a turn header the environment
+    wrote: it goes through the forward and its pages are written like any branch token, but it
+    has no loss term). None: every token is trained. From the JSONL's `loss_masks`,
+    `response_segments` or chat `messages` (data/masks.py); every member trains >= 1 token.
+    Engine log-probs at untrained tokens may be absent (NaN in `logps_old`); the routing fields
+    cover every token (untrained tokens are context the engine routed too)."""
