@@ -22,7 +22,7 @@ class GRPOGroup:
     """Optional [R_i] log-probs from the inference engine that sampled the responses (the
     JSONL's `logprobs_old`). They are not the PPO ratio's denominator (the trainer's own pre-step
     scoring is): they give the engine-trainer importance weights and mismatch figures
-    (offpolicy.py, --longstraw-tis)."""
+    (offpolicy.py, --longstraw-tis). NaN at an untrained token (`loss_masks`): absent there."""
     routed_experts: list[torch.Tensor] | None = None
     """Optional [R_i, num_moe_layers, moe_topk] int expert ids the engine routed each response
     token's branch row to, per MoE layer in order (the JSONL's `routed_experts`): scoring and
