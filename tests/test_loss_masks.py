@@ -229,3 +229,24 @@ def test_chat_templates_that_cannot_give_masks_are_refused(tmp_path):
             list(read_groups(path, tokenizer=tokenizer))
         assert str(info.value).startswith(f"{path} line 1: field '{field}' "), info.value
         assert fragment in str(info.value), info.value
+
+
+def test_the_example_trajectory_three_ways():
+    """examples/data/agent.jsonl: one two-turn trajectory (a tool answers the policy's lookup)
+    as response_ids + loss_masks, as response_segments and as chat messages rendered with
+    examples/data/chat_tokenizer's template: the same prompt, responses and masks."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "data"
+    records = list(read_records(data / "agent.jsonl", tokenizer=data / "chat_tokenizer",
+                                vocab_size=512))
+    assert [r.id for r in records] == ["masks-0", "segments-0", "chat-0"]
+    first = records[0].group
+    assert [m.long().tolist() for m in first.loss_masks] == [
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1]]
+    assert torch.isnan(first.logps_old[0][4:10]).all()
+    for record in records[1:]:
+        group = record.group
+        assert torch.equal(group.prompt_ids, first.prompt_ids)
+        assert all(torch.equal(a, b) for a, b in zip(group.response_ids, first.response_ids))
+        assert all(torch.equal(a, b) for a, b in zip(group.loss_masks, first.loss_masks))
