@@ -7,8 +7,9 @@ format, so they also feed the offline path (`--longstraw-data`).
         [--reward longstraw:marker_majority] [--tokenizer PATH] [--dtype fp32|fp64]
     python tools/generate.py --checkpoint CONVERTED --input prompts.jsonl --out groups.jsonl ...
 
-The input holds prompt lines (a prompt as "prompt" text, "prompt_ids" or "prompt_file", plus
-optional "id" and "meta": what `--longstraw-rollout online` reads). Each prompt is captured once
+The input holds prompt lines (a prompt as "prompt" text, "prompt_ids", "prompt_file" or chat
+"prompt_messages" rendered with the --tokenizer directory's chat template, plus optional "id" and
+"meta": what `--longstraw-rollout online` reads). Each prompt is captured once
 and `--group-size` responses are sampled from the capture, batched over the members (one
 process; the model as tools/score.py builds it). Each output line carries the prompt as given,
 "response_ids", "logprobs_old" (the sampling distribution's log-probs of the sampled tokens:
@@ -108,7 +109,8 @@ def main(argv=None) -> list[dict]:
                 gens = generate(model, captured, args.group_size, params, ls)
                 given = json.loads(read_line(prompts.path, int(prompts.offsets[k])))
                 row = {key: value for key, value in given.items()
-                       if key in ("id", "prompt", "prompt_ids", "prompt_file", "meta")}
+                       if key in ("id", "prompt", "prompt_ids", "prompt_file",
+                                   "prompt_messages", "meta")}
                 if "prompt_file" in row:
                     row["prompt_file"] = os.path.relpath(
                         Path(args.input).parent / row["prompt_file"], out.parent)

@@ -22,7 +22,11 @@ group: id, prompt_len, response_lens, per-token `logprobs` of every member, thei
 and `logprob_mean`. When the input carries `logprobs_old` (the engine's per-token log-probs), each
 line also has a `mismatch` summary (diff = ours - engine's: max / mean |diff|, mean diff (bias),
 fraction of tokens with |diff| > threshold, the worst tokens with their positions), and the summary
-over all groups is printed and written to `<out>.summary.json`.
+over all groups is printed and written to `<out>.summary.json`. Multi-turn members with loss masks
+(`loss_masks`, `response_segments`, chat `messages`; examples/data/README.md) are scored on every
+token (untrained tokens are context, scored all the same); the line then carries `loss_masks`
+(0 marks an untrained token's log-prob), `trained_logprob_sum` / `trained_logprob_mean`, and the
+mismatch counts the trained tokens only (`logprobs_old` may be null at the others).
 """
 
 from __future__ import annotations

@@ -2,9 +2,17 @@
 local tokenizers, a writer for tests and examples, a synthetic long-context generator and random
 groups of given lengths (`random_group`).
 
-    {"id": "q17", "prompt": "text" | "prompt_ids": [..] | "prompt_file": "ids.npy|.bin|.txt",
-     "responses": ["text", ..] | "response_ids": [[..], ..], "rewards": [..],
+    {"id": "q17", "prompt": "text" | "prompt_ids": [..] | "prompt_file": "ids.npy|.bin|.txt"
+                | "prompt_messages": [{"role": .., "content": ..}, ..],
+     "responses": ["text", ..] | "response_ids": [[..], ..]
+                | "response_segments": [[{"ids": [..] | "text": "..", "train": bool}, ..], ..]
+                | "messages": [[{"role": .., "content": ..}, ..], ..],
+     "loss_masks": [[0/1, ..], ..], "rewards": [..],
      "logprobs_old": [[..], ..], "routed_experts": [[[[..]]], ..], "dsa_topk": [[[[..]]], ..]}
+
+Multi-turn members (masks.py): `loss_masks` (with `response_ids`), `response_segments` or chat
+`messages` (with `prompt_messages`) say which response tokens are trained; `logprobs_old` may
+be null at the untrained ones.
 
 `routed_experts` / `dsa_topk` (routing replay, routing_replay.py) are per member, per response
 token, per MoE / full indexer layer: the engine's expert ids / DSA key positions.
@@ -26,15 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_longstraw.data import masks as loss_mask
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.data.routing import FIELDS as ROUTING_FIELDS
 from megatron_longstraw.data.routing import check_values, member_tensor
 from megatron_longstraw.runtime.errors import InputNotFound, UserError
 
-PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file")
-RESPONSE_FIELDS = ("responses", "response_ids")
-KNOWN_FIELDS = (set(PROMPT_FIELDS + RESPONSE_FIELDS) | {"rewards", "logprobs_old", "id", "meta"}
-                | set(ROUTING_FIELDS))
+PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file", "prompt_messages")
+RESPONSE_FIELDS = ("responses", "response_ids", "response_segments", "messages")
+KNOWN_FIELDS = (set(PROMPT_FIELDS + RESPONSE_FIELDS)
+                | {"rewards", "logprobs_old", "loss_masks", "id", "meta"} | set(ROUTING_FIELDS))
 MAX_TOKEN_ID = 2**31 - 1
 LOGPROB_SLACK = 1e-4
 """Largest positive value accepted as a log-probability (engines round; a log-prob is <= 0)."""
@@ -231,14 +240,15 @@ def _parse_line(path, line_no, text, tokenizer, vocab_size, require_rewards,
                           rewards=torch.zeros(0, dtype=torch.float64))
         return GroupRecord(group=group, id=group_id, line=line_no, meta=obj.get("meta"),
                            has_rewards=False)
-    responses, response_field = _responses(obj, fail, tokenizer, vocab_size)
+    responses, response_field, masks = _responses(obj, fail, tokenizer, vocab_size, prompt)
+    masks = _loss_masks(obj, fail, responses, response_field, masks)
     num_members = len(responses)
     rewards = _rewards(obj, fail, num_members, response_field, require_rewards)
-    logps_old = _logprobs_old(obj, fail, responses, response_field)
+    logps_old = _logprobs_old(obj, fail, responses, response_field, masks)
     routing = {field: _routing(obj, fail, field, responses, response_field, prompt.numel())
                for field in ROUTING_FIELDS}
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
-                      logps_old=logps_old, **routing)
+                      logps_old=logps_old, loss_masks=masks, **routing)
     return GroupRecord(group=group, id=group_id, line=line_no, response_field=response_field,
                        meta=obj.get("meta"), has_rewards="rewards" in obj,
                        response_texts=list(obj["responses"]) if response_field == "responses"
@@ -260,6 +270,11 @@ def _prompt_ids(path, obj, fail, tokenizer, vocab_size, load_prompt_file=True) -
     value = obj[field]
     if field == "prompt":
         ids = _text_ids(value, fail, field, None, tokenizer)
+    elif field == "prompt_messages":
+        try:
+            ids = torch.tensor(loss_mask.render_prompt(tokenizer, value), dtype=torch.long)
+        except ValueError as exc:
+            fail(field, str(exc))
     elif field == "prompt_ids":
         ids = _id_list(value, fail, field, None)
     else:
@@ -277,21 +292,88 @@ def _prompt_ids(path, obj, fail, tokenizer, vocab_size, load_prompt_file=True) -
     return ids
 
 
-def _responses(obj, fail, tokenizer, vocab_size) -> tuple[list[torch.Tensor], str]:
+def _responses(obj, fail, tokenizer, vocab_size, prompt
+               ) -> tuple[list[torch.Tensor], str, list[torch.Tensor] | None]:
+    """(response ids per member, the field that gave them, the loss masks that field implies:
+    `response_segments` and `messages` give one per member, the other forms none)."""
     field = _one_of(obj, RESPONSE_FIELDS, fail, "responses")
     value = obj[field]
     if not isinstance(value, list) or not value:
         fail(field, "must be a non-empty list with one entry per group member.")
-    responses = []
+    if "loss_masks" in obj and field != "response_ids":
+        why = ("the segments already say which tokens are trained ('train')"
+               if field == "response_segments" else
+               "the chat template's {% generation %} blocks already say which tokens are "
+               "trained" if field == "messages" else
+               "a mask is per token, and text responses are tokenised here (the token count "
+               "depends on the tokenizer): give 'response_ids' from the engine, or "
+               "'response_segments' with text segments and \"train\"")
+        fail("loss_masks", f"cannot be combined with '{field}': {why}.")
+    if field == "messages" and "prompt_messages" not in obj:
+        fail(field, "needs the prompt as 'prompt_messages': the chat template renders the "
+                    "prompt and each member's messages together (or give 'response_segments').")
+    responses, masks = [], []
     for i, item in enumerate(value):
-        ids = (_text_ids(item, fail, field, i, tokenizer) if field == "responses"
-               else _id_list(item, fail, field, i))
+        mask = None
+        if field == "responses":
+            ids = _text_ids(item, fail, field, i, tokenizer)
+        elif field == "response_ids":
+            ids = _id_list(item, fail, field, i)
+        else:
+            try:
+                if field == "messages":
+                    ids, mask = loss_mask.render_member(tokenizer, obj["prompt_messages"], item,
+                                                        i, prompt.tolist())
+                else:
+                    ids, mask = loss_mask.segments_member(
+                        item, i, lambda v, kind: _segment_ids(v, kind, tokenizer))
+            except ValueError as exc:
+                fail(field, str(exc))
+            ids = torch.tensor(ids, dtype=torch.long)
         if ids.numel() == 0:
             fail(field, f"item {i} is empty (no tokens); every response needs at least one token "
                         "(e.g. the EOS token the engine produced): drop the member or fix it.")
         _check_vocab(ids, fail, field, i, vocab_size)
         responses.append(ids)
-    return responses, field
+        masks.append(mask)
+    return responses, field, (masks if field in ("response_segments", "messages") else None)
+
+
+def _segment_ids(value, kind: str, tokenizer) -> list[int]:
+    """A segment's "ids" or "text" -> token ids (ValueError: masks.segments_member adds where)."""
+    def fail(_field, message):
+        raise ValueError(f"'{kind}' {message}")
+    if kind == "text" and not isinstance(value, str):
+        fail(kind, f"must be a string, got {type(value).__name__}; token ids go in 'ids'.")
+    ids = (_text_ids(value, fail, kind, None, tokenizer) if kind == "text"
+           else _id_list(value, fail, kind, None))
+    return ids.tolist()
+
+
+def _loss_masks(obj, fail, responses, response_field, masks) -> list[torch.Tensor] | None:
+    """The members' bool masks [R_i]: from `loss_masks` (with `response_ids` only: a mask is per
+    token id) or from the response field; each member trains at least one token."""
+    if "loss_masks" in obj:
+        value = obj["loss_masks"]
+        if not isinstance(value, list) or len(value) != len(responses):
+            count = len(value) if isinstance(value, list) else type(value).__name__
+            fail("loss_masks", f"has {count} entries but '{response_field}' has "
+                               f"{len(responses)}; give one list of 0/1 per response.")
+        masks = []
+        for i, (item, ids) in enumerate(zip(value, responses)):
+            try:
+                masks.append(loss_mask.mask_tensor(item, i, int(ids.numel())))
+            except ValueError as exc:
+                fail("loss_masks", str(exc))
+    if masks is None:
+        return None
+    field = "loss_masks" if "loss_masks" in obj else response_field
+    for i, mask in enumerate(masks):
+        try:
+            loss_mask.check_trains(mask, i)
+        except ValueError as exc:
+            fail(field, str(exc))
+    return masks
 
 
 def _rewards(obj, fail, num_members, response_field, require_rewards) -> torch.Tensor:
@@ -316,7 +398,9 @@ def _rewards(obj, fail, num_members, response_field, require_rewards) -> torch.T
     return torch.tensor(value, dtype=torch.float64)
 
 
-def _logprobs_old(obj, fail, responses, response_field) -> list[torch.Tensor] | None:
+def _logprobs_old(obj, fail, responses, response_field, masks=None) -> list[torch.Tensor] | None:
+    """Per member float64 [R_i]; at an untrained token (mask 0) the value may be null or NaN
+    (stored as NaN: nothing reads it) or any number."""
     if "logprobs_old" not in obj:
         return None
     value = obj["logprobs_old"]
@@ -333,14 +417,19 @@ def _logprobs_old(obj, fail, responses, response_field) -> list[torch.Tensor] | 
                                  f"{ids.numel()} tokens; give one log-prob per response token, in "
                                  "order (include the EOS token if the response ids include it; "
                                  "with text responses, prefer 'response_ids' from the engine).")
+        trained = masks[i].tolist() if masks is not None else [True] * len(lps)
         for t, lp in enumerate(lps):
+            if not trained[t] and (lp is None or isinstance(lp, float) and math.isnan(lp)):
+                continue   # an untrained token: its engine log-prob may be absent
             if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
                 fail("logprobs_old", f"item {i} token {t} is {lp!r}; log-probs must be finite "
-                                     "numbers.")
+                                     "numbers" + (" (null or NaN only at untrained tokens, mask "
+                                                  "0)." if masks is not None else "."))
             if lp > LOGPROB_SLACK:
                 fail("logprobs_old", f"item {i} token {t} is {lp}, above 0; log-probs are <= 0 "
                                      "(were probabilities or logits passed?).")
-        out.append(torch.tensor(lps, dtype=torch.float64))
+        out.append(torch.tensor([math.nan if lp is None else lp for lp in lps],
+                                dtype=torch.float64))
     return out
 
 
@@ -489,7 +578,7 @@ def write_groups(path: str | os.PathLike, groups: Iterable[GRPOGroup | dict],
                  ids: Iterable | None = None, prompt_file_min_len: int | None = None,
                  prompt_format: str = "npy") -> Path:
     """Write groups as JSONL (tests, examples). `GRPOGroup`s become `prompt_ids` / `response_ids` /
-    `rewards` (/ `logprobs_old`, `routed_experts`, `dsa_topk`); dicts are written as they are. Prompts of at least
+    `rewards` (/ `loss_masks`, `logprobs_old`, `routed_experts`, `dsa_topk`); dicts are written as they are. Prompts of at least
     `prompt_file_min_len` tokens go to `<stem>.prompts/<line>.<prompt_format>` (npy|bin|txt)
     beside the file, referenced by a relative `prompt_file`."""
     path = Path(path)
@@ -516,8 +605,11 @@ def _group_dict(path, idx, group, prompt_file_min_len, prompt_format) -> dict:
         row["prompt_ids"] = prompt.tolist()
     row["response_ids"] = [torch.as_tensor(r).long().tolist() for r in group.response_ids]
     row["rewards"] = [float(r) for r in group.rewards]
-    if group.logps_old is not None:
-        row["logprobs_old"] = [[float(x) for x in lp] for lp in group.logps_old]
+    if group.loss_masks is not None:
+        row["loss_masks"] = [[int(x) for x in torch.as_tensor(m).bool()] for m in group.loss_masks]
+    if group.logps_old is not None:   # NaN (an untrained token's absent value): null
+        row["logprobs_old"] = [[None if math.isnan(x) else float(x) for x in lp]
+                               for lp in group.logps_old]
     for field in ROUTING_FIELDS:
         if getattr(group, field, None) is not None:
             row[field] = [torch.as_tensor(t).long().tolist() for t in getattr(group, field)]

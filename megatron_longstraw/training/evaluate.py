@@ -4,7 +4,9 @@ current policy's log-probabilities of the supplied responses of held-out groups.
 The metric is not the mean of the supplied rewards (those do not depend on the policy): it is how
 likely the policy finds the held-out responses, per token and per sequence, and, when the file
 carries the engine's `logprobs_old`, how far the policy has moved from the one that generated them
-(k3 KL estimate and mean |logp - logp_old|, per token). Each group runs capture and scoring only
+(k3 KL estimate and mean |logp - logp_old|, per token). With loss masks (multi-turn members)
+every figure is over the trained tokens only (the policy's; tool observations are context, and
+their engine log-probs may be absent). Each group runs capture and scoring only
 (schedule.forward_backward_longstraw with forward_only=True: no replay, no gradient).
 
 The same `n` groups are scored every time (the first ones of the file, so successive evaluations
@@ -46,11 +48,15 @@ def evaluate(model, dataset, cfg, count: int, dp_rank: int, dp_size: int,
         result = forward_backward_longstraw(model, group, cfg, forward_only=True)
         for i, logp in enumerate(result.logps):
             logp = logp.detach().double()
+            trained = (torch.ones_like(logp, dtype=torch.bool) if group.loss_masks is None
+                       else torch.as_tensor(group.loss_masks[i]).bool().to(logp.device))
+            logp = logp[trained]
             sums[0] += logp.sum()
             sums[1] += logp.numel()
             sums[2] += 1
             if group.logps_old is not None:
-                diff = group.logps_old[i].double() - logp   # log(pi_old / pi)
+                old = group.logps_old[i].double().to(trained.device)[trained]
+                diff = old - logp   # log(pi_old / pi)
                 sums[3] += (diff.exp() - 1 - diff).sum()    # k3 estimate of KL(pi || pi_old)
                 sums[4] += diff.abs().sum()
                 sums[5] += diff.numel()

@@ -6,7 +6,8 @@
                                             with the engine's log-probs: importance weights
                                             and mismatch figures (offpolicy.py)
     for i in 1..G: replay(i); backward      one member's graph alive at a time; its loss and
-                                            statistics computed once, there
+                                            statistics computed once, there (with a loss mask,
+                                            member_loss gets the mask of each block's tokens)
     (the above for each group of the step)  micro-batches: gradients accumulate
     finalize grads; optimizer.step()        once (train_step)
 
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -99,12 +101,48 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
             pos = int(bad[0])
             raise ValueError(f"{name}: token id {int(ids[pos])} at position {pos} is outside the "
                              f"vocabulary [0, {vocab}); check the tokenizer matches the model.")
+    masks = _loss_masks(group)
     if group.logps_old is not None:
         for i, (lp, r) in enumerate(zip(group.logps_old, responses)):
-            if lp.shape != r.shape or not torch.isfinite(lp).all():
-                raise ValueError(f"response {i}: old log-probs must be finite with shape "
-                                 f"{tuple(r.shape)}, got shape {tuple(lp.shape)}.")
+            # an untrained token's engine log-prob may be absent (NaN): nothing reads it
+            trained = torch.ones_like(r, dtype=torch.bool) if masks[i] is None else masks[i]
+            if lp.shape != r.shape or not torch.isfinite(lp[trained.to(lp.device)]).all():
+                raise ValueError(f"response {i}: old log-probs must be finite at the trained "
+                                 f"tokens with shape {tuple(r.shape)}, got shape "
+                                 f"{tuple(lp.shape)}.")
+    if any(m is not None for m in masks) and not _masked_loss_available():
+        raise ValueError("the group's loss masks leave tokens untrained, but this build's GRPO "
+                         "loss has no masked form yet (grpo.loss.member_loss(loss_mask=...), "
+                         "the agent-trajectories issue, Build 2); drop 'loss_masks' (every token "
+                         "is then trained) or use a build with the masked loss.")
     routing_replay.validate_group(model, group)   # the engine's routed_experts / dsa_topk
+
+
+def _loss_masks(group: GRPOGroup) -> list[torch.Tensor | None]:
+    """Per member the bool loss mask [R_i] (True: trained), None where every token is trained
+    (no mask, or one of all ones); ValueError for a mask of the wrong shape or training
+    nothing."""
+    if group.loss_masks is None:
+        return [None] * len(group.response_ids)
+    if len(group.loss_masks) != len(group.response_ids):
+        raise ValueError(f"{len(group.loss_masks)} loss masks for {len(group.response_ids)} "
+                         "responses; give one mask per response (or none).")
+    masks = []
+    for i, (mask, r) in enumerate(zip(group.loss_masks, group.response_ids)):
+        mask = torch.as_tensor(mask).bool()
+        if mask.shape != torch.as_tensor(r).shape or not bool(mask.any()):
+            raise ValueError(f"response {i}: the loss mask must have shape "
+                             f"{tuple(torch.as_tensor(r).shape)} and train at least one token, "
+                             f"got shape {tuple(mask.shape)} with {int(mask.sum())} trained.")
+        masks.append(None if bool(mask.all()) else mask)
+    return masks
+
+
+def _masked_loss_available() -> bool:
+    """Whether grpo.loss.member_loss takes `loss_mask` (issue 31 Build 2). Until it does, a
+    group whose masks leave tokens untrained is refused, never trained on every token.
+    TODO(issue 31, Build 2): drop this check once member_loss(loss_mask=) has landed."""
+    return "loss_mask" in inspect.signature(member_loss).parameters
 
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
@@ -171,6 +209,8 @@ def _fingerprint_of(group: GRPOGroup) -> dict:
         "group_size": len(group.response_ids),
         "response_lens": [int(torch.as_tensor(r).numel()) for r in group.response_ids],
         "rewards": [float(r) for r in group.rewards],
+        "trained_tokens": (None if group.loss_masks is None
+                           else [int(torch.as_tensor(m).sum()) for m in group.loss_masks]),
         "routing_replay": [getattr(group, f, None) is not None for f in ROUTING_FIELDS],
     }
 
@@ -204,7 +244,8 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     # kernel or precision difference between the two would bias every ratio and clip decision.
     # The engine's log-probs give per-token importance weights pi_old / pi_engine instead.
     logps_old = [s[0] for s in scored]
-    weights, mismatch = _engine_correction(logps_old, group.logps_old, cfg)
+    masks = _loss_masks(group)
+    weights, mismatch = _engine_correction(logps_old, group.logps_old, cfg, masks)
     timings["scoring"] = time.perf_counter() - start
 
     loss_cfg = cfg.loss_config()
@@ -222,13 +263,18 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
                         num_tokens=int(response.numel()), loss_scale=loss_scale)
             ref = logps_ref[i] if logps_ref else None
             weight = weights[i] if weights else None
+            mask = masks[i]
 
-            def loss_of(logp, tokens=slice(None), i=i, args=args, ref=ref, weight=weight):
-                """Member i's (loss, stats) from the log-probs of its tokens `tokens`."""
+            def loss_of(logp, tokens=slice(None), i=i, args=args, ref=ref, weight=weight,
+                        mask=mask):
+                """Member i's (loss, stats) from the log-probs of its tokens `tokens`; with a
+                loss mask, `loss_mask` is the mask of those tokens (bool, logp's shape and
+                device; True: trained)."""
+                masked = {} if mask is None else {"loss_mask": mask[tokens].to(logp.device)}
                 return member_loss(logp, logps_old[i][tokens].to(logp.dtype),
                                    logp_ref=None if ref is None else ref[tokens].to(logp.dtype),
                                    token_weight=None if weight is None else weight[tokens],
-                                   **args)
+                                   **masked, **args)
 
             if forward_only:     # no backward: the loss of scoring's log-probs
                 logp = scored[i][0]
@@ -262,15 +308,29 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
                       selections=[s[1] for s in scored])
 
 
-def _engine_correction(logps_old, logps_engine, cfg) -> tuple[list[torch.Tensor] | None, dict]:
+def _engine_correction(logps_old, logps_engine, cfg, masks=None
+                       ) -> tuple[list[torch.Tensor] | None, dict]:
     """(per-member importance weights or None, mismatch figures) from the trainer's pre-step
-    log-probs and the engine's (offpolicy.py; nothing without the engine's)."""
+    log-probs and the engine's (offpolicy.py; nothing without the engine's). With loss masks
+    (`masks`: per member bool [R_i] or None) only the trained tokens count: an untrained token
+    has no loss term, so its weight is 1 (its engine log-prob, possibly absent (NaN), is
+    replaced by the trainer's) and the mismatch figures are over the trained tokens."""
     if logps_engine is None:
         return None, {}
+    masks = [None] * len(logps_old) if masks is None else masks
+
+    def trained(x, m):   # the trained tokens of x
+        return x if m is None else x[m.to(x.device)]
+    logps_engine = [engine if m is None else   # float64, as importance_weights computes
+                    torch.where(m.to(old.device), engine.to(old.device).double(),
+                                old.detach().double())
+                    for old, engine, m in zip(logps_old, logps_engine, masks)]
     pairs = [offpolicy.importance_weights(old, engine, cfg.tis, cfg.tis_cap)
              for old, engine in zip(logps_old, logps_engine)]
-    mismatch = offpolicy.mismatch_stats(logps_old, logps_engine,
-                                        None if cfg.tis == "off" else [c for _, c in pairs])
+    mismatch = offpolicy.mismatch_stats(
+        [trained(old, m) for old, m in zip(logps_old, masks)],
+        [trained(engine, m) for engine, m in zip(logps_engine, masks)],
+        None if cfg.tis == "off" else [trained(c, m) for (_, c), m in zip(pairs, masks)])
     return (None if cfg.tis == "off" else [w for w, _ in pairs]), mismatch
 
 

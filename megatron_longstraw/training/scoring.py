@@ -5,6 +5,10 @@ training step's pre-step scoring does (`capture_prompt` + `score_member`, with t
 `iter_scores` yields one result per group: id, prompt_len, response_lens, per-token `logprobs` of
 every member, their `logprob_sum` and `logprob_mean`, and, when the group carries `logps_old`
 (the engine's per-token log-probs), a `mismatch` summary (`MismatchStats`: diff = ours - engine's).
+A group with loss masks (multi-turn members: data/masks.py) also gets its `loss_masks` (0/1 per
+token: 0 marks a context token, e.g. a tool observation), `trained_logprob_sum` /
+`trained_logprob_mean` over the trained tokens, and its mismatch over the trained tokens only
+(the engine's log-probs may be absent at the others).
 Under context parallelism every rank reads the same groups (`agreed_records`) and gets the same
 results.
 """
@@ -26,20 +30,27 @@ class MismatchStats:
         self.worst: list[dict] = []
 
     def add(self, logp: torch.Tensor, logp_old: torch.Tensor, response_ids: torch.Tensor,
-            group_id, member_idx: int, prompt_len: int) -> None:
-        """One member: logp, logp_old, response_ids [R]."""
-        diff = logp.double() - logp_old.double()
+            group_id, member_idx: int, prompt_len: int, mask: torch.Tensor | None = None) -> None:
+        """One member: logp, logp_old, response_ids [R]; `mask` (bool [R]): count only the
+        trained tokens (an untrained token's engine log-prob may be NaN; token_idx stays the
+        position in the response)."""
+        diff = logp.double() - logp_old.double().to(logp.device)
+        token_idx = torch.arange(diff.numel())
+        if mask is not None:
+            diff, token_idx = diff[mask.to(diff.device)], token_idx[mask.cpu()]
         abs_diff = diff.abs()
         self.num_tokens += diff.numel()
         self.num_over += int((abs_diff > self.threshold).sum())
         self.sum_abs += float(abs_diff.sum())
         self.sum_diff += float(diff.sum())
-        self.max_abs = max(self.max_abs, float(abs_diff.max()))
+        self.max_abs = max(self.max_abs, float(abs_diff.max()) if diff.numel() else 0.0)
         order = torch.argsort(abs_diff, descending=True, stable=True)[:self.num_worst]
-        self._keep([{"id": group_id, "member_idx": member_idx, "token_idx": int(t),
-                     "position": prompt_len + int(t), "token_id": int(response_ids[t]),
-                     "logprob": float(logp[t]), "logprob_old": float(logp_old[t]),
-                     "diff": float(diff[t])} for t in order])
+        self._keep([{"id": group_id, "member_idx": member_idx, "token_idx": int(token_idx[t]),
+                     "position": prompt_len + int(token_idx[t]),
+                     "token_id": int(response_ids[token_idx[t]]),
+                     "logprob": float(logp[token_idx[t]]),
+                     "logprob_old": float(logp_old[token_idx[t]]), "diff": float(diff[t])}
+                    for t in order])
 
     def merge(self, other: "MismatchStats") -> None:
         self.num_tokens += other.num_tokens
@@ -93,11 +104,18 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
                   "logprobs": [lp.double().tolist() for lp in logps],
                   "logprob_sum": [float(lp.double().sum()) for lp in logps],
                   "logprob_mean": [float(lp.double().mean()) for lp in logps]}
+        masks = ([None] * len(logps) if group.loss_masks is None
+                 else [torch.as_tensor(m).bool() for m in group.loss_masks])
+        if group.loss_masks is not None:
+            trained = [lp.double()[m.to(lp.device)] for lp, m in zip(logps, masks)]
+            result["loss_masks"] = [m.long().tolist() for m in masks]
+            result["trained_logprob_sum"] = [float(t.sum()) for t in trained]
+            result["trained_logprob_mean"] = [float(t.mean()) for t in trained]
         if group.logps_old is not None:
             stats = MismatchStats(threshold, num_worst)
-            for member_idx, (lp, old, ids) in enumerate(zip(logps, group.logps_old,
-                                                            group.response_ids)):
-                stats.add(lp, old, ids, group_id, member_idx, prompt_len)
+            for member_idx, (lp, old, ids, m) in enumerate(zip(logps, group.logps_old,
+                                                               group.response_ids, masks)):
+                stats.add(lp, old, ids, group_id, member_idx, prompt_len, m)
             result["mismatch"] = stats.summary()
             if overall is not None:
                 overall.merge(stats)
