@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_longstraw.config.loss import GRPOLossConfig, check_tis
+from megatron_longstraw.config.loss import GRPOLossConfig, check_loss_options, check_tis
 from megatron_longstraw.config.sampling import CONTROLS, SamplingParams
 from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.state.pages import PAGE_FORMATS
@@ -32,6 +32,22 @@ class LongStrawConfig:
     adv_eps) (> 0)."""
     std_unbiased: bool = False
     """Advantage std: False = population std (divide by G), True = sample std (divide by G - 1)."""
+    loss_aggregation: str = "sequence_mean"
+    """How the loss aggregates token terms (grpo/loss.py states each formula): "sequence_mean"
+    (each member's token mean, then the mean over the G members; the default), "token_mean" (DAPO:
+    the mean over the group's sum_i R_i tokens, so a long response weighs more) or "constant"
+    (Dr. GRPO: each member's token sum divided by the constant `loss_constant`, then the mean over
+    members)."""
+    loss_constant: int | None = None
+    """C of loss_aggregation "constant" (tokens); None: the longest response the run can have,
+    `max_new_tokens` if set, else `max_response_len`."""
+    dual_clip: float | None = None
+    """c > 1 of the dual clip for negative advantages (None: off; the flag alone gives 3): for
+    A_i < 0 a token's policy loss is at most c |A_i|."""
+    log_ratio_clamp: float | None = None
+    """d > 0: the PPO ratio is exp(clamp(logp - logp_old, -d, d)) (None: off)."""
+    kl_clamp: float | None = None
+    """k > 0: each token's k3 KL estimate is capped at k (None: off)."""
     page_tokens: int = 65536
     """Rows per page of captured state."""
     offload_pages: bool = True
@@ -143,9 +159,11 @@ class LongStrawConfig:
             raise ValueError(f"longstraw prompt_grad must be one of "
                              f"{[g.value for g in PromptGrad]}, got {self.prompt_grad!r}.")
         self.prompt_grad = PromptGrad(self.prompt_grad)
-        self.loss_config()  # validates the clip, KL and advantage settings
+        check_loss_options(self.loss_aggregation, self.loss_constant, self.dual_clip,
+                           self.log_ratio_clamp, self.kl_clamp)
         check_tis(self.tis, self.tis_cap)
         self._check_rollout()
+        self.loss_config()  # validates the clip, KL and advantage settings (C: after max_new_tokens)
         if self.reward is not None and (not isinstance(self.reward, str)
                                         or ":" not in self.reward):
             raise ValueError(f"longstraw reward (--longstraw-reward) must be 'module:function' "
@@ -184,7 +202,15 @@ class LongStrawConfig:
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                               kl_coef=self.kl_coef, adv_eps=self.adv_eps,
-                              std_unbiased=self.std_unbiased)
+                              std_unbiased=self.std_unbiased, aggregation=self.loss_aggregation,
+                              norm_constant=self.loss_norm_constant(),
+                              dual_clip=self.dual_clip, log_ratio_clamp=self.log_ratio_clamp,
+                              kl_clamp=self.kl_clamp)
+
+    def loss_norm_constant(self) -> int:
+        """C of loss_aggregation "constant": `loss_constant`, else the longest response the run
+        can have (`max_new_tokens`, else `max_response_len`)."""
+        return self.loss_constant or self.max_new_tokens or self.max_response_len
 
     @classmethod
     def from_dict(cls, values: dict) -> "LongStrawConfig":

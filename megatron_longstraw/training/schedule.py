@@ -211,15 +211,18 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     advantages = group_advantages(group.rewards.to(torch.float64), eps=loss_cfg.adv_eps,
                                   std_unbiased=loss_cfg.std_unbiased)
     num_members = len(group.response_ids)
+    group_tokens = sum(int(r.numel()) for r in group.response_ids)   # known before replay
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
     with memory.phase("replay"):
         for i, response in enumerate(group.response_ids):
             # member_loss divides by G (num_members) and by R_i (num_tokens: the whole member's,
-            # also under CP) and multiplies by loss_scale (1/N groups per step); nothing divides
-            # again (losses and gradients are plain sums over members and groups).
+            # also under CP; or by the group's T = group_tokens, or G*C: loss_cfg.aggregation)
+            # and multiplies by loss_scale (1/N groups per step); nothing divides again (losses
+            # and gradients are plain sums over members and groups).
             args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
-                        num_tokens=int(response.numel()), loss_scale=loss_scale)
+                        num_tokens=int(response.numel()), loss_scale=loss_scale,
+                        group_tokens=group_tokens)
             ref = logps_ref[i] if logps_ref else None
             weight = weights[i] if weights else None
 
