@@ -48,6 +48,12 @@ class LongStrawConfig:
     """d > 0: the PPO ratio is exp(clamp(logp - logp_old, -d, d)) (None: off)."""
     kl_clamp: float | None = None
     """k > 0: each token's k3 KL estimate is capped at k (None: off)."""
+    entropy_floor: float = 0.01
+    """The launcher warns (once) when the policy's mean entropy over a step's trained tokens falls
+    below this many nats (entropy collapse; training/guards.py); 0: no warning."""
+    stop_after_no_signal: int = 0
+    """The launcher stops after this many consecutive steps in which every group's rewards were
+    all equal (zero advantage: no learning signal); 0: never (training/guards.py)."""
     page_tokens: int = 65536
     """Rows per page of captured state."""
     offload_pages: bool = True
@@ -149,6 +155,15 @@ class LongStrawConfig:
                 hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
                         if isinstance(value, str) else "")
                 raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if (isinstance(self.entropy_floor, bool) or not isinstance(self.entropy_floor, (int, float))
+                or not 0 <= self.entropy_floor < float("inf")):
+            raise ValueError(f"longstraw entropy_floor (--longstraw-entropy-floor) must be a "
+                             f"number >= 0 (nats; 0: off), got {self.entropy_floor!r}.")
+        if (isinstance(self.stop_after_no_signal, bool)
+                or not isinstance(self.stop_after_no_signal, int) or self.stop_after_no_signal < 0):
+            raise ValueError(f"longstraw stop_after_no_signal (--longstraw-stop-after-no-signal) "
+                             f"must be an integer >= 0 (steps; 0: never), got "
+                             f"{self.stop_after_no_signal!r}.")
         if self.index_key_pages not in PAGE_FORMATS:
             raise ValueError(f"longstraw index_key_pages (--longstraw-index-key-pages) must be one "
                              f"of {list(PAGE_FORMATS)}, got {self.index_key_pages!r}.")

@@ -304,13 +304,14 @@ _FLAG_TO_FIELD = {
 }
 
 
-# ---- loss options (YAML keys: the LongStrawConfig fields named in _RL_FLAG_TO_FIELD) ------------
+# ---- loss options and guards (YAML keys: the LongStrawConfig fields of _RL_FLAG_TO_FIELD) -------
 
 
 def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
-        "longstraw: loss options (YAML `longstraw:` keys loss_aggregation, loss_constant, "
-        "dual_clip, log_ratio_clamp, kl_clamp; docs/design.md section 2)")
+        "longstraw: loss options and guards (YAML `longstraw:` keys loss_aggregation, "
+        "loss_constant, dual_clip, log_ratio_clamp, kl_clamp, entropy_floor, "
+        "stop_after_no_signal; docs/design.md section 2)")
     group.add_argument("--longstraw-loss-aggregation", choices=LOSS_AGGREGATIONS, default=None,
                        help="sequence_mean (default): each member's token mean, then the mean "
                             "over the group; token_mean (DAPO): the mean over all the group's "
@@ -327,6 +328,12 @@ def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(default: off).")
     group.add_argument("--longstraw-kl-clamp", type=float, default=None, metavar="K",
                        help="Cap each token's k3 KL estimate at K (default: off).")
+    group.add_argument("--longstraw-entropy-floor", type=float, default=None, metavar="NATS",
+                       help="Warn once when the policy's mean entropy over a step's trained "
+                            "tokens falls below NATS (entropy collapse; default 0.01; 0: off).")
+    group.add_argument("--longstraw-stop-after-no-signal", type=int, default=None, metavar="N",
+                       help="Stop (saving with --save) after N consecutive steps in which every "
+                            "group's rewards were all equal (zero advantage; default 0: never).")
     return parser
 
 
@@ -336,6 +343,8 @@ _RL_FLAG_TO_FIELD = {
     "longstraw_dual_clip": "dual_clip",
     "longstraw_log_ratio_clamp": "log_ratio_clamp",
     "longstraw_kl_clamp": "kl_clamp",
+    "longstraw_entropy_floor": "entropy_floor",
+    "longstraw_stop_after_no_signal": "stop_after_no_signal",
 }
 _FLAG_TO_FIELD.update(_RL_FLAG_TO_FIELD)
 

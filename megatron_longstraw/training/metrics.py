@@ -92,6 +92,10 @@ class StepLogger:
                 f" | capture {result.phase_seconds['capture']:.1f}s scoring "
                 f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
                 f" | pages {human_bytes(result.page_bytes)}")
+        if "zero_advantage_frac" in result.stats:   # guards.py reads these two
+            line += f" | zero-adv groups {result.stats['zero_advantage_frac']:.2f}"
+        if "entropy" in result.stats:
+            line += f" | entropy {result.stats['entropy']:.3f}"
         if "mismatch_abs_mean" in result.stats:   # the engine's log-probs (offpolicy.py)
             line += (f" | mismatch |d| {result.stats['mismatch_abs_mean']:.2e} max "
                      f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")

@@ -44,9 +44,12 @@ class StepResult:
     loss: float
     """Total GRPO loss of the group (sum of member shares)."""
     stats: dict[str, float]
-    """Mean reward, advantages, ratio and clip statistics, KL; with the engine's log-probs also
-    the mismatch figures (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl,
-    tis_frac)."""
+    """Mean reward, its within-group spread (`reward_std`: the population std of one group's G
+    rewards; merged: its mean over the groups), advantages, `zero_advantage_frac` (1 for a group
+    whose rewards are all equal; merged: the fraction of such groups), ratio and clip
+    statistics, KL, `entropy` (the policy's mean next-token entropy over the trained tokens, in
+    nats; replayed steps only); with the engine's log-probs also the mismatch figures
+    (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl, tis_frac)."""
     logps: list[torch.Tensor]
     """Per-member per-token log-probs from replay (current parameters)."""
     logps_old: list[torch.Tensor]
@@ -214,6 +217,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     group_tokens = sum(int(r.numel()) for r in group.response_ids)   # known before replay
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
+    entropy_sum, entropy_tokens = 0.0, 0   # replay's entropy, summed as members go (no [R] kept)
     with memory.phase("replay"):
         for i, response in enumerate(group.response_ids):
             # member_loss divides by G (num_members) and by R_i (num_tokens: the whole member's,
@@ -237,10 +241,13 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
                 logp = scored[i][0]
                 loss, stats = loss_of(logp)
             else:                # replay calls loss_of once, under autograd, and backpropagates
-                logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg,
-                                                  loss_of, routed_experts=engine[i][1],
-                                                  pages=pages[i])
+                logp, loss, stats, entropy = replay_member(
+                    model, captured, response, scored[i][1], cfg, loss_of,
+                    routed_experts=engine[i][1], pages=pages[i])
                 pages[i] = None               # consumed: freed with the member
+                entropy_sum += float(entropy.double().sum())
+                entropy_tokens += entropy.numel()
+                del entropy
             total += float(loss)
             logps.append(logp)
             member_stats.append(stats)
@@ -252,6 +259,8 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
         timings["prompt_backward"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    if entropy_tokens:   # replayed: the policy's entropy, the mean over the group's trained tokens
+        stats["entropy"] = entropy_sum / entropy_tokens
     stats.update(mismatch)
     stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])
     by_kind: dict[str, int] = {}
@@ -295,9 +304,13 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
     total = float(sum(lengths))
     def mean(key):
         return sum(float(s[key]) * n for s, n in zip(member_stats, lengths)) / total
+    r = rewards.double()
     return {
-        "reward_mean": float(rewards.double().mean()),
-        "reward_std": float(rewards.double().std(unbiased=False)),
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std(unbiased=False)),
+        # 1 when every member's reward is the same: all advantages are zero (no signal); merged
+        # over the step's groups (merge_stats: the mean) it is the fraction of such groups
+        "zero_advantage_frac": float(bool(torch.all(r == r[0]))),
         "advantage_abs_mean": float(advantages.abs().mean()),
         "clip_frac": mean("clip_frac"),
         "ratio_mean": mean("ratio_mean"),

@@ -22,7 +22,8 @@ OptimizerParamScheduler, stepped after each applied optimizer step, saved and re
 checkpoint); a NaN / inf loss or gradient (schedule.train_step skips the update; `nonfinite_step`
 stops the run under --check-for-nan-in-loss-and-grad, else it is counted as skipped_steps); the
 exit conditions (exit_conditions.py: signals, --exit-duration-in-mins, --exit-interval: save,
-return, exit 0).
+return, exit 0). The guards (guards.py) warn when a step has no learning signal or the policy's
+entropy collapses, and optionally stop the run like an exit condition.
 
 LoRA / QLoRA (`--longstraw-lora`, `--longstraw-qlora`, `--longstraw-lora-*`; adapters.py): the
 model is built, its initial weights loaded, then the targeted linears are wrapped (base frozen,
@@ -60,6 +61,7 @@ from megatron_longstraw.training import lr_schedule
 from megatron_longstraw.training.arguments import LoRASettings
 from megatron_longstraw.training.command_line import check_outputs, parse, resolve, resolve_lora
 from megatron_longstraw.training.exit_conditions import ExitConditions
+from megatron_longstraw.training.guards import SignalGuard
 from megatron_longstraw.training.group_sources import (
     check_data_flags,
     global_batch_size,
@@ -217,8 +219,11 @@ class Loop:
     steps_done: int
     history: list = dataclasses.field(default_factory=list)
     """The step scalars, into the receipt (the run's curves)."""
+    guard: SignalGuard | None = None
+    """The no-signal and entropy guards (guards.py)."""
     stopped: str | None = None
-    """Why an exit condition stopped the run (exit_conditions.py), None otherwise."""
+    """Why an exit condition (exit_conditions.py) or the no-signal guard (guards.py) stopped the
+    run, None otherwise."""
     result: Any = None
     """The last step's StepResult (None: no step ran), its replica mean, memory figures, groups."""
     report: Any = None
@@ -238,8 +243,10 @@ def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> L
     if run.resumed is not None:
         lr_schedule.restore(scheduler, run.resumed, run.first_step)
     skipped = int((run.resumed or {}).get("skipped_steps", 0))
+    guard = SignalGuard(launch.ls.entropy_floor, launch.ls.stop_after_no_signal,
+                        enabled=layout.rank == 0)
     return Loop(data, eval_data, sampler, consumed, scheduler, logger, skipped,
-                steps_done=run.first_step)
+                steps_done=run.first_step, guard=guard)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -255,8 +262,12 @@ def train_steps(launch: Launch, layout: Layout, run: Setup, loop: Loop, start: f
             train_one_step(launch, layout, run, loop, step)
             loop.steps_done = step + 1
             evaluate_if_due(launch, layout, run, loop)
+            # the guard reads the step's figures, the same on every rank: every rank stops
+            no_signal = loop.guard.check(step, loop.report.stats)
             loop.stopped = (exits.check(loop.steps_done) if loop.steps_done < launch.total_iters
                             else None)
+            if no_signal and loop.steps_done < launch.total_iters:
+                loop.stopped = loop.stopped or no_signal
             saved = None
             interval = args.save_interval and loop.steps_done % args.save_interval == 0
             if args.save and (loop.stopped or interval):
@@ -443,6 +454,8 @@ def write_receipt(launch: Launch, layout: Layout, run: Setup, loop: Loop, params
                "global_batch_size": layout.batch},
         dtype=launch.dtype, steps=loop.steps_done, start=start)
     receipt["skipped_steps"] = loop.skipped
+    if loop.stopped:
+        receipt["stopped"] = loop.stopped
     receipt["history"] = loop.history
     if layout.rank != 0:
         return receipt
