@@ -131,6 +131,14 @@ class LongStrawConfig:
     control: str = "none"
     """Online: "zeros" replaces the captured prompt state by zeros (a control run that cannot
     see the prompt; rollout.py)."""
+    dynamic_sampling: bool = False
+    """Online (DAPO's dynamic sampling; rollout/online.py): drop the groups whose rewards are all
+    equal (zero advantage) and generate more from the next prompts, so the step trains on
+    groups with signal."""
+    dynamic_sampling_rounds: int = 4
+    """The most extra generation rounds of a dynamic-sampling step, each over the next global
+    batch of prompts (a step generates at most (1 + rounds) x --global-batch-size groups); when
+    they do not fill the batch, the remaining slots take dropped groups (counted as short)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_response_len", "page_tokens", "token_block",
@@ -138,7 +146,8 @@ class LongStrawConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
-        for name in ("offload_pages", "checkpoint_layers", "std_unbiased", "reuse_branch_pages"):
+        for name in ("offload_pages", "checkpoint_layers", "std_unbiased", "reuse_branch_pages",
+                     "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"longstraw {name} must be true or false, got "
                                  f"{getattr(self, name)!r}.")
@@ -204,6 +213,14 @@ class LongStrawConfig:
             raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
                              "prompt state in the online loop: it needs --longstraw-rollout online "
                              "and the detached prompt gradient.")
+        rounds = self.dynamic_sampling_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"longstraw dynamic_sampling_rounds (--longstraw-dynamic-sampling-"
+                             f"rounds) must be an integer >= 0, got {rounds!r}.")
+        if self.dynamic_sampling and self.rollout != "online":
+            raise ValueError("longstraw dynamic_sampling (--longstraw-dynamic-sampling) drops "
+                             "generated groups without signal and generates more: it needs "
+                             "--longstraw-rollout online (offline groups are given).")
         if self.rollout == "online" and self.reward is None:
             raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
                              "reward function (--longstraw-reward module:function, YAML "

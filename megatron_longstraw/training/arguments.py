@@ -304,14 +304,15 @@ _FLAG_TO_FIELD = {
 }
 
 
-# ---- loss options and guards (YAML keys: the LongStrawConfig fields of _RL_FLAG_TO_FIELD) -------
+# ---- loss options, guards, dynamic sampling (YAML keys: the fields of _RL_FLAG_TO_FIELD) -----
 
 
 def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
-        "longstraw: loss options and guards (YAML `longstraw:` keys loss_aggregation, "
-        "loss_constant, dual_clip, log_ratio_clamp, kl_clamp, entropy_floor, "
-        "stop_after_no_signal; docs/design.md section 2)")
+        "longstraw: loss options, guards, dynamic sampling (YAML `longstraw:` keys "
+        "loss_aggregation, loss_constant, dual_clip, log_ratio_clamp, kl_clamp, entropy_floor, "
+        "stop_after_no_signal, dynamic_sampling, dynamic_sampling_rounds; docs/design.md "
+        "section 2)")
     group.add_argument("--longstraw-loss-aggregation", choices=LOSS_AGGREGATIONS, default=None,
                        help="sequence_mean (default): each member's token mean, then the mean "
                             "over the group; token_mean (DAPO): the mean over all the group's "
@@ -334,6 +335,14 @@ def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--longstraw-stop-after-no-signal", type=int, default=None, metavar="N",
                        help="Stop (saving with --save) after N consecutive steps in which every "
                             "group's rewards were all equal (zero advantage; default 0: never).")
+    group.add_argument("--longstraw-dynamic-sampling", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="Online (DAPO): drop generated groups whose rewards are all equal and "
+                            "generate more from the next prompts until the step's batch is full.")
+    group.add_argument("--longstraw-dynamic-sampling-rounds", type=int, default=None, metavar="N",
+                       help="The most extra generation rounds per step of dynamic sampling, each "
+                            "over the next --global-batch-size prompts (default 4); past it the "
+                            "batch is filled with dropped groups.")
     return parser
 
 
@@ -345,6 +354,8 @@ _RL_FLAG_TO_FIELD = {
     "longstraw_kl_clamp": "kl_clamp",
     "longstraw_entropy_floor": "entropy_floor",
     "longstraw_stop_after_no_signal": "stop_after_no_signal",
+    "longstraw_dynamic_sampling": "dynamic_sampling",
+    "longstraw_dynamic_sampling_rounds": "dynamic_sampling_rounds",
 }
 _FLAG_TO_FIELD.update(_RL_FLAG_TO_FIELD)
 

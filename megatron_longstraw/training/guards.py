@@ -62,8 +62,9 @@ class SignalGuard:
                     "raise --longstraw-temperature, or resume from an earlier checkpoint.")
         return ("Likely cause: the task is out of reach or solved at this policy (every member "
                 "of a group fails, or every one succeeds), or the reward function gives one value "
-                "whatever the response. Check the reward, or try a larger --longstraw-group-size "
-                "or a higher --longstraw-temperature.")
+                "whatever the response. Check the reward, try --longstraw-dynamic-sampling (drops "
+                "such groups and generates more), a larger --longstraw-group-size or a higher "
+                "--longstraw-temperature.")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind in self.warned:

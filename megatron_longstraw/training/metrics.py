@@ -104,6 +104,12 @@ class StepLogger:
         if "rollout" in result.phase_seconds:   # the online loop (rollout.py)
             line += (f" | rollout {result.phase_seconds['rollout']:.1f}s len "
                      f"{result.stats.get('response_len_mean', float('nan')):.1f}")
+        if "sampling/dropped_groups" in extra:   # dynamic sampling (rollout/online.py)
+            line += (f" | dropped {int(extra['sampling/dropped_groups'])} resampled "
+                     f"{int(extra['sampling/resampled_groups'])} in "
+                     f"{int(extra['sampling/extra_rounds'])} extra rounds")
+            if extra["sampling/short_groups"]:
+                line += f" short {int(extra['sampling/short_groups'])}"
         if "optimizer/lr" in extra:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:

@@ -296,8 +296,9 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     with SavedTensorMeter(model) as meter, live:
         captures = None
         if online:
-            rollouts = online_groups(model, ls, loop.sampler, loop.data, loop.consumed,
-                                     launch.reward_fn)
+            sampled = online_groups(model, ls, loop.sampler, loop.data, loop.consumed,
+                                    launch.reward_fn)
+            rollouts = sampled.rollouts
             groups = [r.group for r in rollouts]
             captures = [r.captured for r in rollouts]
         # 1/B: the update follows the mean over the step's B groups of each group's GRPO
@@ -306,12 +307,15 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
                             max_grad_norm=args.clip_grad, loss_scale=1.0 / layout.batch,
                             progress=bar, captures=captures)
         del captures
+    extras = {}
     if online:
         result.phase_seconds["rollout"] = sum(r.seconds for r in rollouts)
         lengths = [r.numel() for g in groups for r in g.response_ids]
         result.stats["response_len_mean"] = sum(lengths) / len(lengths)
         del rollouts
-    loop.consumed += layout.batch
+        if ls.dynamic_sampling:   # every round consumed a global batch of prompts
+            extras = dynamic_sampling_counts(sampled, layout.dp_size)
+    loop.consumed += layout.batch * (1 + (sampled.extra_rounds if online else 0))
     if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
         nonfinite_step(args, step, result, groups, layout.dp_rank)
         loop.skipped += 1
@@ -321,11 +325,26 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     memory = step_memory(meter.peak_bytes, result.page_bytes,
                          {**live.phase_peaks, "step": live.peak_bytes}
                          if args.longstraw_live_bytes else None)
-    extras = {**memory, "optimizer/lr": lr, "skipped_steps": loop.skipped,
+    extras = {**memory, **extras, "optimizer/lr": lr, "skipped_steps": loop.skipped,
               "consumed_groups": loop.consumed}
     loop.logger.log(step, report, extras)
     loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
     loop.result, loop.report, loop.memory, loop.groups = result, report, memory, groups
+
+
+def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
+    """The step's dynamic-sampling counts (online.DynamicBatch), summed over the data-parallel
+    replicas (collective over the data-parallel group), as history keys."""
+    counts = (sampled.generated, sampled.dropped, sampled.resampled, sampled.short)
+    if dp_size > 1:
+        from megatron.core import parallel_state as ps
+
+        per_replica = [None] * dp_size
+        dist.all_gather_object(per_replica, counts, group=ps.get_data_parallel_group())
+        counts = tuple(sum(c) for c in zip(*per_replica))
+    names = ("generated_groups", "dropped_groups", "resampled_groups", "short_groups")
+    return {**{f"sampling/{name}": float(v) for name, v in zip(names, counts)},
+            "sampling/extra_rounds": float(sampled.extra_rounds)}
 
 
 def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> None:
