@@ -85,8 +85,10 @@ class StepLogger:
 
     def log(self, step: int, result, extra: dict) -> str:
         values = self.scalars(result, extra)
+        # the spread is within each group (the G rewards one advantage compares), not over steps
         line = (f"step {step:5d} | loss {result.loss:+.6f} | reward {result.stats['reward_mean']:.3f}"
-                f" +- {result.stats['reward_std']:.3f} | clip {result.stats['clip_frac']:.3f}"
+                f" (within-group std {result.stats['reward_group_std']:.3f})"
+                f" | clip {result.stats['clip_frac']:.3f}"
                 f" | ratio {result.stats['ratio_mean']:.4f} | kl {result.stats['kl']:.2e}"
                 f" | grad {result.stats.get('grad_norm', float('nan')):.3e}"
                 f" | capture {result.phase_seconds['capture']:.1f}s scoring "
@@ -110,6 +112,8 @@ class StepLogger:
                      f"{int(extra['sampling/extra_rounds'])} extra rounds")
             if extra["sampling/short_groups"]:
                 line += f" short {int(extra['sampling/short_groups'])}"
+        if "time/step_s" in extra:
+            line += f" | step {float(extra['time/step_s']):.1f}s"
         if "optimizer/lr" in extra:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:

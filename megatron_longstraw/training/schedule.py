@@ -44,8 +44,8 @@ class StepResult:
     loss: float
     """Total GRPO loss of the group (sum of member shares)."""
     stats: dict[str, float]
-    """Mean reward, its within-group spread (`reward_std`: the population std of one group's G
-    rewards; merged: its mean over the groups), advantages, `zero_advantage_frac` (1 for a group
+    """Mean reward, its within-group spread (`reward_group_std`: the population std of one
+    group's G rewards; merged: its mean over the groups), advantages, `zero_advantage_frac` (1 for a group
     whose rewards are all equal; merged: the fraction of such groups), ratio and clip
     statistics, KL, `entropy` (the policy's mean next-token entropy over the trained tokens, in
     nats; replayed steps only); with the engine's log-probs also the mismatch figures
@@ -58,7 +58,8 @@ class StepResult:
     """Per member: the engine-trainer importance weights [R_i] of the policy term (offpolicy.py),
     None when the group carries no engine log-probs."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of capture, scoring, replay."""
+    """Wall time of capture, scoring, replay (prompt_backward in exact mode; train_step adds
+    optimizer: finalisation, clipping and the step; the online launcher adds rollout)."""
     page_bytes: int = 0
     """Bytes of captured prompt state (all pages, this rank)."""
     page_bytes_by_kind: dict[str, int] = field(default_factory=dict)
@@ -307,7 +308,9 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
     r = rewards.double()
     return {
         "reward_mean": float(r.mean()),
-        "reward_std": float(r.std(unbiased=False)),
+        # the spread of the G rewards within this group (merged: its mean over the groups), not
+        # a spread over steps or groups
+        "reward_group_std": float(r.std(unbiased=False)),
         # 1 when every member's reward is the same: all advantages are zero (no signal); merged
         # over the step's groups (merge_stats: the mean) it is the fraction of such groups
         "zero_advantage_frac": float(bool(torch.all(r == r[0]))),
@@ -366,6 +369,7 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
                                           captured=captured)
                for group, captured in zip(groups, captures, strict=True)]
     result = merge_results(results)
+    start = time.perf_counter()
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
                                  else grad_norm(model))
@@ -376,6 +380,7 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
     if any_loss_bad or grad_bad:
         optimizer.zero_grad(set_to_none=True)
         result.skipped = True
+        result.phase_seconds["optimizer"] = time.perf_counter() - start
         if any_loss_bad and dist.is_initialized() and dist.get_world_size() > 1:
             flags = [None] * dist.get_world_size()
             dist.all_gather_object(flags, loss_bad)
@@ -384,4 +389,5 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
             result.nonfinite_loss_ranks = [0]
         return result
     optimizer.step()
+    result.phase_seconds["optimizer"] = time.perf_counter() - start   # finalize, clip, step
     return result

@@ -5,7 +5,8 @@ Parses Megatron's standard flags (megatron.training's parser from the pinned meg
 (`--longstraw-config`; flags win), starts CP x EP folded process groups, builds the model, and runs
 `--train-iters` GRPO steps: capture, scoring, serial replay, corrected finalisation, one optimizer
 step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-dir`), saves with
-`--save`/`--save-interval`, and writes a receipt for the last step. `--load` takes either a
+`--save`/`--save-interval`, and writes a receipt for the last step (with every step's scalars,
+`history`, phase and step wall times included) and the run's curves beside it (run_plot.py). `--load` takes either a
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
 `--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
@@ -286,6 +287,7 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     position, the skipped step or the scheduler's step, the log line and the history."""
     from megatron_longstraw.training.schedule import train_step   # here: tests replace it
 
+    step_start = time.perf_counter()
     args, ls, model = launch.args, launch.ls, run.model
     online = ls.rollout == "online"
     groups = (None if online else step_groups(args, launch.model_cfg, ls, loop.sampler, loop.data,
@@ -326,7 +328,9 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
                          {**live.phase_peaks, "step": live.peak_bytes}
                          if args.longstraw_live_bytes else None)
     extras = {**memory, **extras, "optimizer/lr": lr, "skipped_steps": loop.skipped,
-              "consumed_groups": loop.consumed}
+              "consumed_groups": loop.consumed,
+              # the whole step on this rank: groups, rollout, the step, the replica mean
+              "time/step_s": time.perf_counter() - step_start}
     loop.logger.log(step, report, extras)
     loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
     loop.result, loop.report, loop.memory, loop.groups = result, report, memory, groups
@@ -478,8 +482,26 @@ def write_receipt(launch: Launch, layout: Layout, run: Setup, loop: Loop, params
     receipt["history"] = loop.history
     if layout.rank != 0:
         return receipt
-    path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
-                             receipt)
+    folder = Path(args.longstraw_out_dir) / args.longstraw_run_name
+    plot = write_plot(loop.history, folder, f"{args.longstraw_run_name}: {launch.family}, "
+                                            f"{loop.steps_done} steps")
+    if plot is not None:
+        receipt["plot"] = plot.name
+    path = write_json_atomic(folder / "receipt.json", receipt)
     print(step_summary(receipt, model=get_family(launch.family).describe(launch.model_cfg),
                        lora=run.lora, backend=dist.get_backend(), path=path), flush=True)
+    print(f"curves: {plot}" if plot is not None else
+          "curves: no PNG (matplotlib is not installed; pip install matplotlib)", flush=True)
     return receipt
+
+
+def write_plot(history: list[dict], folder: Path, title: str) -> Path | None:
+    """The run's curves (run_plot.py) as `folder`/run_curves.png, beside receipt.json; None
+    when matplotlib is missing (the run's results do not depend on it)."""
+    from megatron_longstraw.training.run_plot import write_run_png
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return write_run_png(history, folder / "run_curves.png", title)
+    except ImportError:
+        return None
