@@ -33,12 +33,14 @@ def _group(vocab, prompt_len):
                      rewards=torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64))
 
 
-def _full_autograd(model, group):
-    """d GRPO loss / d theta by autograd through full-sequence forwards (ratio 1: old = new)."""
+def _full_autograd(model, group, aggregation="sequence_mean"):
+    """d GRPO loss / d theta by autograd through full-sequence forwards (ratio 1: old = new); the
+    constant normaliser is C = 64, `_longstraw`'s max_response_len (its default C)."""
     model.zero_grad(set_to_none=True)
     logps = [full_sequence_logprobs(model, group.prompt_ids, r) for r in group.response_ids]
     grpo_loss(logps, [lp.detach() for lp in logps], group.rewards,
-              GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)).backward()
+              GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=aggregation,
+                             norm_constant=64)).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -57,18 +59,24 @@ def _worst(got, ref):
 
 # GLM-5.2's prompt is 10x its top-k with IndexShare layers (their selection comes from capture);
 # without layer checkpointing once (the page leaves are then read once per member, not twice).
-@pytest.mark.parametrize("family,prompt_len,checkpoint_layers", [
-    ("glm52", 160, True), ("glm52", 160, False), ("qwen36", 64, True), ("deepseekv3", 64, True)])
-def test_exact_mode_equals_full_sequence_autograd_for_every_parameter(family, prompt_len,
-                                                                      checkpoint_layers):
+# The loss aggregations (grpo/loss.py) on the cheapest case, its 17-token member in blocks of 8:
+# token_mean's divisor is the whole group's token count, the same in every member's (and block's)
+# share, so member-by-member replay is still the group loss's gradient.
+@pytest.mark.parametrize("family,prompt_len,checkpoint_layers,aggregation,response_block", [
+    ("glm52", 160, True, "sequence_mean", 8192), ("glm52", 160, False, "sequence_mean", 8192),
+    ("qwen36", 64, True, "sequence_mean", 8192), ("deepseekv3", 64, True, "sequence_mean", 8192),
+    ("glm52", 160, False, "token_mean", 8), ("glm52", 160, False, "constant", 8)])
+def test_exact_mode_equals_full_sequence_autograd_for_every_parameter(
+        family, prompt_len, checkpoint_layers, aggregation, response_block):
     cfg, model = _build(family)
     group = _group(cfg.vocab_size, prompt_len)
-    reference = _full_autograd(model, group)
-    exact = _longstraw(model, group, "exact", checkpoint_layers=checkpoint_layers)
+    reference = _full_autograd(model, group, aggregation)
+    kw = dict(checkpoint_layers=checkpoint_layers, loss_aggregation=aggregation,
+              response_block=response_block)
+    exact = _longstraw(model, group, "exact", **kw)
     worst = _worst(exact, reference)
-    detached = _worst(_longstraw(model, group, "detached", checkpoint_layers=checkpoint_layers),
-                      reference)
-    print(f"{family}: exact vs full autograd {worst:.2e} (detached: {detached:.2e})")
+    detached = _worst(_longstraw(model, group, "detached", **kw), reference)
+    print(f"{family} {aggregation}: exact vs full autograd {worst:.2e} (detached: {detached:.2e})")
     assert worst <= 1e-9
     assert detached > 1e-6          # the prompt's share is real: detached is measurably off
 

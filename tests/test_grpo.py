@@ -225,6 +225,170 @@ def test_grpo_loss_size_mismatch() -> None:
         grpo_loss([x, x], [x, x], _t([1.0, 0.0, 2.0]), CFG)
 
 
+# ----------------------------------------------------------------------------- loss options
+
+OPTIONS = {"plain": {}, "dual_clip": {"dual_clip": 3.0}, "log_ratio_clamp": {"log_ratio_clamp": 1.5},
+           "kl_clamp": {"kl_clamp": 1.0},
+           "all": {"dual_clip": 3.0, "log_ratio_clamp": 1.5, "kl_clamp": 1.0}}
+
+
+def _formula(new, old, ref, weight, rewards, aggregation, C, beta, lo, hi, dual_clip=None,
+             log_ratio_clamp=None, kl_clamp=None):
+    """The GRPO loss of grpo/loss.py's module docstring, written here from the formulas (not from
+    the code under test): advantages with the population std + 1e-6, PPO clip, dual clip for
+    A < 0, the log-ratio clamp, k3 capped at kl_clamp, and the three aggregations."""
+    g = len(new)
+    r = rewards
+    adv = (r - r.mean()) / (((r - r.mean()) ** 2).mean().sqrt() + 1e-6)
+    sums = []
+    for i in range(g):
+        log_ratio = new[i] - old[i]
+        if log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+        rho = torch.exp(log_ratio)
+        s = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - lo, 1 + hi) * adv[i])
+        if dual_clip is not None and adv[i] < 0:
+            s = torch.maximum(s, dual_clip * adv[i] * torch.ones_like(s))
+        d = ref[i] - new[i]
+        k3 = torch.exp(d) - d - 1
+        if kl_clamp is not None:
+            k3 = torch.minimum(k3, torch.full_like(k3, kl_clamp))
+        sums.append((-weight[i] * s + beta * k3).sum())
+    lens = [x.numel() for x in new]
+    if aggregation == "sequence_mean":
+        return sum(t / (g * n) for t, n in zip(sums, lens))
+    if aggregation == "token_mean":
+        return sum(sums) / sum(lens)
+    return sum(sums) / (g * C)
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean", "constant"])
+def test_each_aggregation_and_option_equals_its_formula_by_autograd(aggregation, options) -> None:
+    """fp64: grpo_loss, and member_loss member by member over two shares per member (CP ranks or
+    response blocks: num_tokens = R_i, group_tokens = T), equal `_formula`, the loss and its
+    gradient by plain autograd (TOL). The data reach every branch: both clip sides, ratios past
+    the dual clip's c = 3 with A < 0, log-ratios past the clamp, k3 past its cap."""
+    gen = torch.Generator().manual_seed(7)
+    lens, C, beta, lo, hi = [3, 5, 7, 2], 9, 0.05, 0.2, 0.28
+    rewards = _t([1.0, 0.0, 2.0, 0.5])
+    old = [-torch.rand(n, generator=gen, dtype=F64) * 3 for n in lens]
+    new = [(o + 4 * (torch.rand(n, generator=gen, dtype=F64) - 0.5)).requires_grad_()
+           for o, n in zip(old, lens)]
+    ref = [nw.detach() + 4 * (torch.rand(n, generator=gen, dtype=F64) - 0.5)
+           for nw, n in zip(new, lens)]
+    weight = [0.5 + torch.rand(n, generator=gen, dtype=F64) for n in lens]
+    opts = OPTIONS[options]
+    cfg = GRPOLossConfig(clip_eps_low=lo, clip_eps_high=hi, kl_coef=beta, aggregation=aggregation,
+                         norm_constant=C, **opts)
+
+    expect = _formula(new, old, ref, weight, rewards, aggregation, C, beta, lo, hi, **opts)
+    g_expect = torch.autograd.grad(expect, new)
+    total = grpo_loss(new, old, rewards, cfg, logps_ref=ref, token_weights=weight)
+    g_total = torch.autograd.grad(total, new)
+    _close(total.detach(), float(expect))
+    for x, y in zip(g_total, g_expect):
+        assert torch.allclose(x, y, rtol=0, atol=TOL)
+
+    adv = group_advantages(rewards)
+    shares = []
+    for i, n in enumerate(lens):
+        for a, b in ((0, n // 2), (n // 2, n)):
+            shares.append(member_loss(new[i][a:b], old[i][a:b], adv[i], len(lens), cfg,
+                                      logp_ref=ref[i][a:b], num_tokens=n, token_weight=weight[i][a:b],
+                                      group_tokens=sum(lens))[0])
+    by_member = torch.stack(shares).sum()
+    _close(by_member.detach(), float(expect))
+    for x, y in zip(torch.autograd.grad(by_member, new), g_expect):
+        assert torch.allclose(x, y, rtol=0, atol=TOL)
+
+    # every option is active somewhere on these data (so each changes the loss)
+    if opts:
+        plain = _formula(new, old, ref, weight, rewards, aggregation, C, beta, lo, hi)
+        assert abs(float(plain) - float(expect)) > 1e-3
+    log_ratios = torch.cat([(nw - o).detach() for nw, o in zip(new, old)])
+    assert log_ratios.max() > 1.5 and log_ratios.min() < -1.5
+    assert any(adv[i] < 0 and (new[i] - old[i]).max() > math.log(3.0) for i in range(len(lens)))
+
+
+def test_the_aggregations_divisors_by_hand() -> None:
+    """One member of R = 2 tokens in a group of G = 2 whose other member has 6 tokens (T = 8),
+    A = 1, ratio 1: the member's token sum is -2; sequence_mean divides by G R = 4, token_mean
+    by T = 8, constant by G C = 2 * 10."""
+    logp = _t([-1.0, -2.0])
+    for aggregation, expected in (("sequence_mean", -0.5), ("token_mean", -0.25),
+                                  ("constant", -0.1)):
+        cfg = GRPOLossConfig(aggregation=aggregation, norm_constant=10)
+        loss, stats = member_loss(logp, logp, 1.0, 2, cfg, group_tokens=8)
+        _close(loss, expected)
+        _close(stats["policy_loss"], -1.0)   # statistics: token means whatever the aggregation
+    with pytest.raises(ValueError, match="group_tokens"):
+        member_loss(logp, logp, 1.0, 2, GRPOLossConfig(aggregation="token_mean"))
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss_by_hand() -> None:
+    # A = -1, G = 1 share of 2 (num_members 2), R = 1, rho = 5 (above 1 + eps_hi and above c = 3):
+    # PPO: min(-5, 1.2 * -1) = -5 -> loss 5 / 2; dual clip c = 3: max(-5, -3) = -3 -> loss 3 / 2,
+    # and no gradient (the cap is a constant). A = +1 is untouched by the dual clip.
+    old = [-2.0]
+    for dual, a, loss_expected, grad_expected in ((None, -1.0, 2.5, 2.5), (3.0, -1.0, 1.5, 0.0),
+                                                  (3.0, 1.0, -0.6, 0.0)):
+        logp = _logp_for_ratios([5.0], old)
+        loss, _ = member_loss(logp, _t(old), a, 2, GRPOLossConfig(dual_clip=dual))
+        loss.backward()
+        _close(loss, loss_expected)
+        _close(logp.grad, [grad_expected])
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"aggregation": "mean"}, "loss_aggregation"),
+    ({"aggregation": "constant"}, "norm_constant"),
+    ({"norm_constant": 0}, "loss_constant"),
+    ({"dual_clip": 1.0}, "dual_clip"),
+    ({"dual_clip": "3"}, "dual_clip"),
+    ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
+    ({"kl_clamp": -1.0}, "kl_clamp"),
+    ({"kl_clamp": float("inf")}, "kl_clamp"),
+])
+def test_loss_options_reject_bad_values(kwargs, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        GRPOLossConfig(**kwargs)
+
+
+def test_loss_options_from_flags_and_yaml(tmp_path) -> None:
+    """The launcher flags and the YAML `longstraw:` keys reach the step's GRPOLossConfig; the
+    constant normaliser defaults to the longest response the run can have."""
+    import yaml
+
+    from helpers import TINY_GLM
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.training import train
+
+    base = ["--longstraw", "--longstraw-config", str(TINY_GLM)]
+    args, given = train.parse(base + ["--longstraw-loss-aggregation", "token_mean",
+                                      "--longstraw-dual-clip", "--longstraw-log-ratio-clamp",
+                                      "20", "--longstraw-kl-clamp", "10"])
+    loss = train.resolve(args, given)[2].loss_config()
+    assert (loss.aggregation, loss.dual_clip, loss.log_ratio_clamp, loss.kl_clamp) == \
+        ("token_mean", 3.0, 20.0, 10.0)
+    args, given = train.parse(base + ["--longstraw-loss-aggregation", "constant",
+                                      "--longstraw-dual-clip", "5", "--longstraw-loss-constant",
+                                      "100"])
+    loss = train.resolve(args, given)[2].loss_config()
+    assert (loss.aggregation, loss.norm_constant, loss.dual_clip) == ("constant", 100, 5.0)
+    config = yaml.safe_load(TINY_GLM.read_text())
+    config["longstraw"].update(loss_aggregation="constant", kl_clamp=2.0, max_new_tokens=16)
+    (tmp_path / "loss.yaml").write_text(yaml.safe_dump(config))
+    args, given = train.parse(["--longstraw", "--longstraw-config", str(tmp_path / "loss.yaml")])
+    loss = train.resolve(args, given)[2].loss_config()
+    assert (loss.aggregation, loss.norm_constant, loss.kl_clamp, loss.dual_clip) == \
+        ("constant", 16, 2.0, None)
+    assert LongStrawConfig(max_response_len=64).loss_config().norm_constant == 64
+    assert LongStrawConfig().loss_config().aggregation == "sequence_mean"   # today's loss
+    with pytest.raises(ValueError, match=r"--longstraw-dual-clip"):
+        LongStrawConfig(dual_clip=0.5)
+
+
 # ----------------------------------------------------------------------------- validate_group
 
 

@@ -164,7 +164,7 @@ def test_step_line_shows_the_mismatch_only_when_present(capsys) -> None:
 
     from megatron_longstraw.training.metrics import StepLogger
 
-    stats = {"reward_mean": 0.5, "reward_std": 0.5, "clip_frac": 0.0, "ratio_mean": 1.0,
+    stats = {"reward_mean": 0.5, "reward_group_std": 0.5, "clip_frac": 0.0, "ratio_mean": 1.0,
              "kl": 0.0, "grad_norm": 1.0}
     result = SimpleNamespace(stats=stats, loss=0.1, page_bytes=0, page_bytes_by_kind={},
                              phase_seconds={"capture": 0.0, "scoring": 0.0, "replay": 0.0})

@@ -17,7 +17,8 @@ by side (two processes, OMP_NUM_THREADS=1 each).
 Outputs in --out: prompts.jsonl (+ prompts.prompts/*.npy), one launcher folder per run
 (receipt.json with the per-step history), receipt.json (per seed: reward_start / reward_end of the
 run and the control, the mean rewards over the first and the last 10% of steps, and the curves;
-their mean and spread over the seeds; the criterion and whether it passed), reward_curves.png.
+their mean and spread over the seeds; the criterion and whether it passed), reward_curves.png
+(every seed's run and control; each launcher folder also has its own run_curves.png).
 Exit status 1 when the learning criterion (`criterion`) fails.
 """
 
@@ -135,23 +136,13 @@ def table(receipt: dict) -> str:
     return "\n".join(rows)
 
 
-# ---- PNG (matplotlib, the bench extra) ----------------------------------------------------------
-
-
-def _smooth(curve: list[float], window: int) -> list[float]:
-    out = []
-    for i in range(len(curve)):
-        part = curve[max(0, i - window + 1): i + 1]
-        out.append(sum(part) / len(part))
-    return out
+# ---- PNG (matplotlib, the bench extra; each launcher run also writes its own run_curves.png) -----
 
 
 def write_png(receipt: dict, path: Path) -> None:
-    import matplotlib
+    from megatron_longstraw.training.run_plot import moving_average, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     window = max(1, receipt["settings"]["steps"] // 10)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -159,7 +150,7 @@ def write_png(receipt: dict, path: Path) -> None:
         color = colors[i % len(colors)]
         for kind, style in (("run", "-"), ("control", "--")):
             curve = s[kind]["curve"]
-            ax.plot(range(len(curve)), _smooth(curve, window), style, color=color,
+            ax.plot(range(len(curve)), moving_average(curve, window), style, color=color,
                     label=f"seed {s['seed']} {kind}")
     chance = receipt["chance"]
     ax.axhline(chance["marker"], color="grey", lw=0.8, ls=":", label="chance (markers)")

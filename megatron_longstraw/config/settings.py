@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_longstraw.config.loss import GRPOLossConfig, check_tis
+from megatron_longstraw.config.loss import GRPOLossConfig, check_loss_options, check_tis
 from megatron_longstraw.config.sampling import CONTROLS, SamplingParams
 from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.state.pages import PAGE_FORMATS
@@ -32,6 +32,28 @@ class LongStrawConfig:
     adv_eps) (> 0)."""
     std_unbiased: bool = False
     """Advantage std: False = population std (divide by G), True = sample std (divide by G - 1)."""
+    loss_aggregation: str = "sequence_mean"
+    """How the loss aggregates token terms (grpo/loss.py states each formula): "sequence_mean"
+    (each member's token mean, then the mean over the G members; the default), "token_mean" (DAPO:
+    the mean over the group's sum_i R_i tokens, so a long response weighs more) or "constant"
+    (Dr. GRPO: each member's token sum divided by the constant `loss_constant`, then the mean over
+    members)."""
+    loss_constant: int | None = None
+    """C of loss_aggregation "constant" (tokens); None: the longest response the run can have,
+    `max_new_tokens` if set, else `max_response_len`."""
+    dual_clip: float | None = None
+    """c > 1 of the dual clip for negative advantages (None: off; the flag alone gives 3): for
+    A_i < 0 a token's policy loss is at most c |A_i|."""
+    log_ratio_clamp: float | None = None
+    """d > 0: the PPO ratio is exp(clamp(logp - logp_old, -d, d)) (None: off)."""
+    kl_clamp: float | None = None
+    """k > 0: each token's k3 KL estimate is capped at k (None: off)."""
+    entropy_floor: float = 0.01
+    """The launcher warns (once) when the policy's mean entropy over a step's trained tokens falls
+    below this many nats (entropy collapse; training/guards.py); 0: no warning."""
+    stop_after_no_signal: int = 0
+    """The launcher stops after this many consecutive steps in which every group's rewards were
+    all equal (zero advantage: no learning signal); 0: never (training/guards.py)."""
     page_tokens: int = 65536
     """Rows per page of captured state."""
     offload_pages: bool = True
@@ -109,6 +131,14 @@ class LongStrawConfig:
     control: str = "none"
     """Online: "zeros" replaces the captured prompt state by zeros (a control run that cannot
     see the prompt; rollout.py)."""
+    dynamic_sampling: bool = False
+    """Online (DAPO's dynamic sampling; rollout/online.py): drop the groups whose rewards are all
+    equal (zero advantage) and generate more from the next prompts, so the step trains on
+    groups with signal."""
+    dynamic_sampling_rounds: int = 4
+    """The most extra generation rounds of a dynamic-sampling step, each over the next global
+    batch of prompts (a step generates at most (1 + rounds) x --global-batch-size groups); when
+    they do not fill the batch, the remaining slots take dropped groups (counted as short)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_response_len", "page_tokens", "token_block",
@@ -116,7 +146,8 @@ class LongStrawConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"longstraw {name} must be an integer, got {value!r}.")
-        for name in ("offload_pages", "checkpoint_layers", "std_unbiased", "reuse_branch_pages"):
+        for name in ("offload_pages", "checkpoint_layers", "std_unbiased", "reuse_branch_pages",
+                     "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"longstraw {name} must be true or false, got "
                                  f"{getattr(self, name)!r}.")
@@ -133,6 +164,15 @@ class LongStrawConfig:
                 hint = (" (YAML reads a number without a dot, like 1e-6, as text: write 1.0e-6)"
                         if isinstance(value, str) else "")
                 raise ValueError(f"longstraw {name} must be a number, got {value!r}{hint}.")
+        if (isinstance(self.entropy_floor, bool) or not isinstance(self.entropy_floor, (int, float))
+                or not 0 <= self.entropy_floor < float("inf")):
+            raise ValueError(f"longstraw entropy_floor (--longstraw-entropy-floor) must be a "
+                             f"number >= 0 (nats; 0: off), got {self.entropy_floor!r}.")
+        if (isinstance(self.stop_after_no_signal, bool)
+                or not isinstance(self.stop_after_no_signal, int) or self.stop_after_no_signal < 0):
+            raise ValueError(f"longstraw stop_after_no_signal (--longstraw-stop-after-no-signal) "
+                             f"must be an integer >= 0 (steps; 0: never), got "
+                             f"{self.stop_after_no_signal!r}.")
         if self.index_key_pages not in PAGE_FORMATS:
             raise ValueError(f"longstraw index_key_pages (--longstraw-index-key-pages) must be one "
                              f"of {list(PAGE_FORMATS)}, got {self.index_key_pages!r}.")
@@ -143,9 +183,11 @@ class LongStrawConfig:
             raise ValueError(f"longstraw prompt_grad must be one of "
                              f"{[g.value for g in PromptGrad]}, got {self.prompt_grad!r}.")
         self.prompt_grad = PromptGrad(self.prompt_grad)
-        self.loss_config()  # validates the clip, KL and advantage settings
+        check_loss_options(self.loss_aggregation, self.loss_constant, self.dual_clip,
+                           self.log_ratio_clamp, self.kl_clamp)
         check_tis(self.tis, self.tis_cap)
         self._check_rollout()
+        self.loss_config()  # validates the clip, KL and advantage settings (C: after max_new_tokens)
         if self.reward is not None and (not isinstance(self.reward, str)
                                         or ":" not in self.reward):
             raise ValueError(f"longstraw reward (--longstraw-reward) must be 'module:function' "
@@ -171,6 +213,14 @@ class LongStrawConfig:
             raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
                              "prompt state in the online loop: it needs --longstraw-rollout online "
                              "and the detached prompt gradient.")
+        rounds = self.dynamic_sampling_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"longstraw dynamic_sampling_rounds (--longstraw-dynamic-sampling-"
+                             f"rounds) must be an integer >= 0, got {rounds!r}.")
+        if self.dynamic_sampling and self.rollout != "online":
+            raise ValueError("longstraw dynamic_sampling (--longstraw-dynamic-sampling) drops "
+                             "generated groups without signal and generates more: it needs "
+                             "--longstraw-rollout online (offline groups are given).")
         if self.rollout == "online" and self.reward is None:
             raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
                              "reward function (--longstraw-reward module:function, YAML "
@@ -184,7 +234,15 @@ class LongStrawConfig:
     def loss_config(self) -> GRPOLossConfig:
         return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                               kl_coef=self.kl_coef, adv_eps=self.adv_eps,
-                              std_unbiased=self.std_unbiased)
+                              std_unbiased=self.std_unbiased, aggregation=self.loss_aggregation,
+                              norm_constant=self.loss_norm_constant(),
+                              dual_clip=self.dual_clip, log_ratio_clamp=self.log_ratio_clamp,
+                              kl_clamp=self.kl_clamp)
+
+    def loss_norm_constant(self) -> int:
+        """C of loss_aggregation "constant": `loss_constant`, else the longest response the run
+        can have (`max_new_tokens`, else `max_response_len`)."""
+        return self.loss_constant or self.max_new_tokens or self.max_response_len
 
     @classmethod
     def from_dict(cls, values: dict) -> "LongStrawConfig":

@@ -21,6 +21,21 @@ contribution *already scaled by* ``1/(G*R_i)``. Nothing divides again later:
 the group loss and its gradients are plain sums over members, which is exactly
 what :func:`grpo_loss` computes and what a per-member schedule must reproduce.
 
+Options (``GRPOLossConfig``; each off by default, today's loss unchanged). With
+``s_it = w_it * min(rho_it*A_i, clip(rho_it)*A_i)`` and ``k_it`` the k3 term:
+
+    aggregation "sequence_mean" (default)  L = (1/G) sum_i (1/R_i) sum_t (-s_it + beta*k_it)
+    aggregation "token_mean" (DAPO)        L = (1/T) sum_i sum_t (-s_it + beta*k_it),  T = sum_i R_i
+    aggregation "constant" (Dr. GRPO)      L = (1/G) sum_i (1/C) sum_t (-s_it + beta*k_it),  C const
+    dual_clip c (> 1)     A_i < 0: s_it = w_it * max(min(rho_it*A_i, clip(rho_it)*A_i), c*A_i)
+    log_ratio_clamp d     rho_it = exp(clamp(logp_it - logp_old_it, -d, d))
+    kl_clamp k            k_it = min(exp(ref-logp) - (ref-logp) - 1, k)
+
+Every divisor is known before replay (the response lengths are): member ``i``'s share divides by
+``G*R_i``, ``T`` (the whole group's token count, the same for every member) or ``G*C``
+(:func:`loss_divisor`), so the member-by-member sum is still the group loss and its gradient.
+A clamp is flat outside its range: a clamped token's term gets no gradient through it.
+
 :class:`GRPOGroup` (data/group.py) is the input all of this is about (one prompt, its G
 responses and rewards); data/groups.py reads it, training/schedule.py steps on it.
 """
@@ -33,7 +48,8 @@ import torch
 
 from megatron_longstraw.config.loss import GRPOLossConfig
 
-__all__ = ["group_advantages", "member_loss", "combine_shares", "grpo_loss", "validate_group"]
+__all__ = ["group_advantages", "loss_divisor", "member_loss", "combine_shares", "grpo_loss",
+           "validate_group"]
 
 
 def _nonfinite_members(rewards: torch.Tensor) -> list[int]:
@@ -78,6 +94,22 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_unbiased: boo
     return ((r - r.mean()) / (std + eps)).to(rewards.dtype)
 
 
+def loss_divisor(cfg: GRPOLossConfig, num_members: int, num_tokens: int,
+                 group_tokens: int | None = None) -> int:
+    """The divisor of member ``i``'s summed token terms (module docstring): ``G * R_i``
+    (sequence_mean), ``T = sum_j R_j`` (token_mean: `group_tokens`, the whole group's tokens, so
+    every member divides by the same T) or ``G * C`` (constant: ``cfg.norm_constant``)."""
+    if cfg.aggregation == "token_mean":
+        if group_tokens is None or group_tokens < num_tokens:
+            raise ValueError(f"aggregation 'token_mean' divides by the group's token count: pass "
+                             f"group_tokens (sum of the G response lengths, >= this member's "
+                             f"{num_tokens}), got {group_tokens!r}.")
+        return group_tokens
+    if cfg.aggregation == "constant":
+        return num_members * cfg.norm_constant
+    return num_members * num_tokens
+
+
 def member_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -88,8 +120,10 @@ def member_loss(
     num_tokens: int | None = None,
     loss_scale: float = 1.0,
     token_weight: torch.Tensor | None = None,
+    group_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)``.
+    """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)`` (by
+    :func:`loss_divisor` under another ``cfg.aggregation``).
 
     Args:
         logp: [R_i] current-policy log-probs of the response tokens (carries autograd).
@@ -105,14 +139,17 @@ def member_loss(
         token_weight: [R_i] per-token weights ``w_it`` of the policy term (treated as constant;
             default 1): offpolicy.importance_weights. ``num_tokens`` still divides: a weight of
             0 removes a token's term, not the token from the mean.
+        group_tokens: T = sum_j R_j, the group's response tokens (every member's, not this
+            share's); needed by ``cfg.aggregation == "token_mean"`` only.
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d tensor; summing it over the G members
         gives the group loss. ``stats`` are detached 0-d per-member values
-        (unscaled by 1/G): ``policy_loss`` = -(1/R_i) sum_t w_it min(...), ``kl`` = k3
+        (unscaled by 1/G): ``policy_loss`` = -(1/R_i) sum_t s_it, ``kl`` = k3
         token mean (0 if disabled), ``clip_frac`` = fraction of tokens where the
         clipped term is the (strictly smaller) active one, ``ratio_mean/max/min``.
-        So ``loss == (policy_loss + kl_coef * kl) / G``.
+        So under sequence_mean ``loss == (policy_loss + kl_coef * kl) / G``; the statistics are
+        per-member token means whatever the aggregation.
     """
     if logp.dim() != 1 or (logp.numel() == 0 and num_tokens is None):
         raise ValueError(f"logp must be a non-empty 1-D [R_i] tensor, got shape {tuple(logp.shape)}.")
@@ -134,21 +171,40 @@ def member_loss(
     if num_tokens <= 0 or num_tokens < lp.numel():
         raise ValueError(f"num_tokens={num_tokens} must be positive and cover logp ({lp.numel()}).")
 
-    ratio = torch.exp(lp - logp_old.detach().to(dtype))  # [R_i]
+    divisor = loss_divisor(cfg, num_members, num_tokens, group_tokens)
+
+    log_ratio = lp - logp_old.detach().to(dtype)
+    if cfg.log_ratio_clamp is not None:  # flat outside [-d, d]: no gradient there
+        log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)  # [R_i]
+    del log_ratio  # exp saves its output: the difference is not kept (replay's peak)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     surrogate = torch.minimum(unclipped, clipped)  # [R_i]
+    if cfg.dual_clip is not None:  # A < 0: the surrogate is at least c*A (loss <= c|A|)
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
     if token_weight is not None:  # w_it: a constant, outside the min (it scales both branches)
         surrogate = surrogate * token_weight.detach().to(dtype)
-    policy_tok_mean = -surrogate.sum() / num_tokens  # 1/R_i: per-member token mean
+    policy_sum = -surrogate.sum()
+    policy_tok_mean = policy_sum / num_tokens  # 1/R_i: per-member token mean
 
-    kl_tok_mean = torch.zeros((), dtype=dtype, device=lp.device)
+    kl_sum = kl_tok_mean = torch.zeros((), dtype=dtype, device=lp.device)
     if cfg.kl_coef > 0 and logp_ref is not None:
         d = logp_ref.detach().to(dtype) - lp  # ref - logp
-        kl_tok_mean = (torch.exp(d) - d - 1.0).sum() / num_tokens  # 1/R_i: per-member token mean
+        k3 = torch.exp(d) - d - 1.0
+        if cfg.kl_clamp is not None:  # flat above k: no gradient there
+            k3 = torch.clamp(k3, max=cfg.kl_clamp)
+        kl_sum = k3.sum()
+        del d, k3
+        kl_tok_mean = kl_sum / num_tokens  # 1/R_i: per-member token mean
 
-    # 1/G: the group loss is the mean over members; member losses are later plain-summed.
-    loss = (policy_tok_mean + cfg.kl_coef * kl_tok_mean) / num_members
+    if cfg.aggregation == "sequence_mean":
+        # 1/G: the group loss is the mean over members; member losses are later plain-summed.
+        loss = (policy_tok_mean + cfg.kl_coef * kl_tok_mean) / num_members
+    else:
+        # 1/T (token_mean) or 1/(G*C) (constant), loss_divisor: the same for every share of the
+        # member and, for T, every member of the group; member losses are later plain-summed.
+        loss = (policy_sum + cfg.kl_coef * kl_sum) / divisor
     loss = loss * loss_scale  # 1/N groups per step (1 by default); nothing divides again later
 
     with torch.no_grad():
@@ -203,7 +259,8 @@ def grpo_loss(
     logps_ref: list[torch.Tensor] | None = None,
     token_weights: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Whole-group GRPO loss: the plain sum of :func:`member_loss` over members.
+    """Whole-group GRPO loss: the plain sum of :func:`member_loss` over members (token_mean's T:
+    the sum of the members' lengths).
 
     Args:
         logps, logps_old (, logps_ref, token_weights): G tensors, member i of shape [R_i].
@@ -221,11 +278,13 @@ def grpo_loss(
             + ("" if token_weights is None else f", {len(token_weights)} token_weights")
         )
     adv = group_advantages(rewards, eps=cfg.adv_eps, std_unbiased=cfg.std_unbiased)
+    group_tokens = sum(int(lp.numel()) for lp in logps)  # T of token_mean
     total: torch.Tensor | None = None
     for i in range(g):
         ref = None if logps_ref is None else logps_ref[i]
         weight = None if token_weights is None else token_weights[i]
-        loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref, token_weight=weight)
+        loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref, token_weight=weight,
+                                group_tokens=group_tokens)
         total = loss_i if total is None else total + loss_i
     assert total is not None
     return total

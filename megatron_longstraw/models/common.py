@@ -129,8 +129,8 @@ def head_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor,
     def chunk_logprobs(hidden_chunk: torch.Tensor, targets_chunk: torch.Tensor) -> torch.Tensor:
         logprobs = F.log_softmax(head_logits(model, hidden_chunk), dim=-1)      # [c, vocab]
         if sink["entropy"] is not None:
-            with torch.no_grad():
-                sink["entropy"].append(-(logprobs.exp() * logprobs).sum(-1))    # [c]
+            with torch.no_grad():   # p log p in place: one [c, vocab] beside the log-probs
+                sink["entropy"].append(-logprobs.exp().mul_(logprobs).sum(-1))  # [c]
         return logprobs.gather(-1, targets_chunk[:, None]).squeeze(-1)         # [c]
 
     checkpointed = torch.is_grad_enabled()

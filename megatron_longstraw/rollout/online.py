@@ -19,11 +19,20 @@ otherwise the importance weight pi_old / pi_sample corrects for the sampling dis
 
 `control="zeros"` (the demo's control run) replaces the captured prompt state with zeros before
 generation and training: the policy then sees nothing of the prompt but its last token.
+
+Dynamic sampling (DAPO; `--longstraw-dynamic-sampling`, `dynamic_sampling_batch`): a group whose
+rewards are all equal has zero advantages and no policy gradient, so it is dropped (its capture
+freed) and the step generates more: each extra round takes the next batch of prompts of the data
+order, at most `dynamic_sampling_rounds` extra rounds a step; the first groups with signal fill
+the step's batch. When the limit is reached first, the remaining slots take dropped groups (no
+policy gradient: the step keeps its batch size, and every replica its group count) and are
+counted as short.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_longstraw.config.sampling import SamplingParams
@@ -69,3 +78,60 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
                       logps_old=[g.sample_logprobs for g in generations])
     group.source = source
     return Rollout(group, captured, time.perf_counter() - start)
+
+
+def has_signal(group: GRPOGroup) -> bool:
+    """True when the group's rewards are not all equal (some advantage is not zero)."""
+    rewards = group.rewards
+    return bool((rewards != rewards[0]).any())
+
+
+@dataclass
+class DynamicBatch:
+    """What `dynamic_sampling_batch` gives a step: its rollouts and the counts the history keeps."""
+
+    rollouts: list[Rollout]
+    """The step's groups: `need` of them, those with signal first."""
+    generated: int
+    """Groups generated this step (every round)."""
+    dropped: int
+    """Groups filtered out: rewards all equal (zero variance)."""
+    resampled: int
+    """Groups generated in the extra rounds."""
+    extra_rounds: int
+    """Extra generation rounds this step (agreed by every rank)."""
+    short: int
+    """Slots filled with dropped groups because the round limit was reached."""
+
+
+def dynamic_sampling_batch(generate_round: Callable[[int], list[Rollout]], need: int,
+                           max_extra_rounds: int,
+                           agree_short: Callable[[bool], bool] = lambda short: short,
+                           ) -> DynamicBatch:
+    """Round 0 generates the step's own prompts (`generate_round(0)`), round r >= 1 the next
+    batch of prompts; groups with signal (`has_signal`) are kept up to `need`, the others
+    dropped. Another round runs while some rank is short of `need` (`agree_short(local_short)`:
+    every rank of the world must run the same rounds; a rank that is not short calls no
+    `generate_round`) and fewer than `max_extra_rounds` extra ones ran. A short batch is filled
+    with dropped groups (module docstring); captures of the groups not used are freed as soon
+    as they are dropped."""
+    kept: list[Rollout] = []
+    fallback: list[Rollout] = []     # dropped groups kept for a short batch, at most what it lacks
+    generated = dropped = resampled = 0
+    round_idx = 0
+    while True:
+        rollouts = generate_round(round_idx) if len(kept) < need else []
+        generated += len(rollouts)
+        resampled += len(rollouts) if round_idx else 0
+        for rollout in rollouts:
+            if has_signal(rollout.group):
+                if len(kept) < need:
+                    kept.append(rollout)
+            else:
+                dropped += 1
+                fallback.append(rollout)
+            del fallback[max(0, need - len(kept)):]
+        if not agree_short(len(kept) < need) or round_idx >= max_extra_rounds:
+            break
+        round_idx += 1
+    return DynamicBatch(kept + fallback, generated, dropped, resampled, round_idx, len(fallback))

@@ -155,15 +155,30 @@ def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int,
                             seed=ls.seed + g) for g in indices]
 
 
-def online_groups(model, ls, sampler, data, consumed_groups: int, reward_fn) -> list:
+def online_groups(model, ls, sampler, data, consumed_groups: int, reward_fn):
     """The online loop: this replica's groups of the step, each generated from its own capture
     of the prompt and rewarded (rollout.py); sample g generates with seed + g, so a resumed run
-    generates what the uninterrupted one did."""
+    generates what the uninterrupted one did. -> `online.DynamicBatch`: with
+    `ls.dynamic_sampling` the groups whose rewards are all equal are dropped and extra rounds
+    take the next batches of prompts (B = `sampler`'s global batch each, so the step consumes
+    B x (1 + extra_rounds) groups; rounds agreed over the world); without it, the step's
+    groups as generated (counts: nothing dropped)."""
+    from megatron_longstraw.distributed.agreement import any_rank
     from megatron_longstraw.runtime import memory
-    from megatron_longstraw.rollout.online import rollout_group
+    from megatron_longstraw.rollout.online import DynamicBatch, dynamic_sampling_batch, rollout_group
 
-    with memory.phase("rollout"):
+    batch = sampler.global_batch_size   # B: prompts per round over all replicas
+
+    def generate_round(round_idx: int) -> list:
+        start = consumed_groups + round_idx * batch
         return [rollout_group(model, data.record(index), ls, reward_fn, seed=ls.seed + g,
                               tokenizer=data.tokenizer, control=ls.control)
-                for index, g in zip(sampler.step_indices(consumed_groups),
-                                    sampler.global_indices(consumed_groups))]
+                for index, g in zip(sampler.step_indices(start), sampler.global_indices(start))]
+
+    with memory.phase("rollout"):
+        if not ls.dynamic_sampling:
+            rollouts = generate_round(0)
+            return DynamicBatch(rollouts, len(rollouts), 0, 0, 0, 0)
+        return dynamic_sampling_batch(generate_round, sampler.micro_batches,
+                                      ls.dynamic_sampling_rounds,
+                                      agree_short=lambda short: any_rank([short])[0])

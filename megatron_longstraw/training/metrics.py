@@ -85,13 +85,19 @@ class StepLogger:
 
     def log(self, step: int, result, extra: dict) -> str:
         values = self.scalars(result, extra)
+        # the spread is within each group (the G rewards one advantage compares), not over steps
         line = (f"step {step:5d} | loss {result.loss:+.6f} | reward {result.stats['reward_mean']:.3f}"
-                f" +- {result.stats['reward_std']:.3f} | clip {result.stats['clip_frac']:.3f}"
+                f" (within-group std {result.stats['reward_group_std']:.3f})"
+                f" | clip {result.stats['clip_frac']:.3f}"
                 f" | ratio {result.stats['ratio_mean']:.4f} | kl {result.stats['kl']:.2e}"
                 f" | grad {result.stats.get('grad_norm', float('nan')):.3e}"
                 f" | capture {result.phase_seconds['capture']:.1f}s scoring "
                 f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
                 f" | pages {human_bytes(result.page_bytes)}")
+        if "zero_advantage_frac" in result.stats:   # guards.py reads these two
+            line += f" | zero-adv groups {result.stats['zero_advantage_frac']:.2f}"
+        if "entropy" in result.stats:
+            line += f" | entropy {result.stats['entropy']:.3f}"
         if "mismatch_abs_mean" in result.stats:   # the engine's log-probs (offpolicy.py)
             line += (f" | mismatch |d| {result.stats['mismatch_abs_mean']:.2e} max "
                      f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")
@@ -100,6 +106,14 @@ class StepLogger:
         if "rollout" in result.phase_seconds:   # the online loop (rollout.py)
             line += (f" | rollout {result.phase_seconds['rollout']:.1f}s len "
                      f"{result.stats.get('response_len_mean', float('nan')):.1f}")
+        if "sampling/dropped_groups" in extra:   # dynamic sampling (rollout/online.py)
+            line += (f" | dropped {int(extra['sampling/dropped_groups'])} resampled "
+                     f"{int(extra['sampling/resampled_groups'])} in "
+                     f"{int(extra['sampling/extra_rounds'])} extra rounds")
+            if extra["sampling/short_groups"]:
+                line += f" short {int(extra['sampling/short_groups'])}"
+        if "time/step_s" in extra:
+            line += f" | step {float(extra['time/step_s']):.1f}s"
         if "optimizer/lr" in extra:
             line += f" | lr {float(extra['optimizer/lr']):.3e}"
         if "skipped_steps" in extra:

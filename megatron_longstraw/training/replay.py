@@ -39,8 +39,9 @@ from megatron_longstraw.state.attention_pass import (AttentionPass, CPPass, Earl
 from megatron_longstraw.state.pages import PageStore
 from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.models.common import (decoder_groups, embed, head_logprobs, mixer_of,
-                                               run_group, selection_kinds)
+from megatron_longstraw.models.common import (decoder_groups, embed, head_logprobs,
+                                               head_logprobs_entropy, mixer_of, run_group,
+                                               selection_kinds)
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.grpo.loss import combine_shares
 from megatron_longstraw.training import routing_replay
@@ -368,6 +369,9 @@ class ReplayedMember(NamedTuple):
     the sum of the CP ranks' (and blocks') shares."""
     stats: dict[str, torch.Tensor]
     """member_loss's statistics of the whole member (ratio, clip fraction, KL)."""
+    entropy: torch.Tensor
+    """[R] the entropy of the policy's next-token distribution at each of the member's tokens
+    (nats; no autograd: taken from the head's log-softmax replay computes anyway)."""
 
 
 def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
@@ -385,7 +389,8 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     backward (the exchanges in attention are collectives), even with an empty share. Gradients
     accumulate into `.grad` (plain sums across members: the loss carries the 1/(G R_i) share).
     `routed_experts` [R, L, k]: the engine's routing, kept through backward (the checkpoint
-    recompute routes the same way; routing_replay.py).
+    recompute routes the same way; routing_replay.py). The head also gives the policy's entropy
+    at every token (`ReplayedMember.entropy`: the step's `entropy` statistic).
 
     A branch longer than `cfg.response_block` is replayed block by block (module docstring):
     a forward without autograd keeps every block's state in host pages, then the blocks run in
@@ -402,7 +407,7 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
             kept, _, _ = _forward_blocks(model, captured, blocks, cfg, selections, routed_experts,
                                          head=False)
         kept.keep_grads()
-    logps, shares, carried = [None] * len(blocks), [], {}
+    logps, entropies, shares, carried = [None] * len(blocks), [None] * len(blocks), [], {}
     for index in reversed(range(len(blocks))):
         block = blocks[index]
         seeds, view = {}, None
@@ -414,7 +419,9 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                       prompt_grad=cfg.prompt_grad, earlier=view)
         # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
         with routing_replay.replay_routing(model, routed_experts, block.rows, block.length):
-            logp = _run_branch(model, captured, block, state, cfg.checkpoint_layers)
+            hidden = _run_layers(model, captured, block, state, cfg.checkpoint_layers)
+            logp, entropy = head_logprobs_entropy(model, hidden, block.targets, with_entropy=True)
+            del hidden   # the head's chunks hold their rows; each chunk's backward frees them
             num_valid = int(block.valid.sum())
             loss, stats = loss_fn(logp[:num_valid],
                                   slice(block.rows.start, block.rows.start + num_valid))
@@ -435,10 +442,11 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
                 view.emitted.clear()  # closure): no cycle keeps the block's graph alive
         if kept is not None:
             carried = kept.carried_grads()
-        logps[index] = logp.detach()
+        logps[index], entropies[index] = logp.detach(), entropy
         shares.append((loss.detach(), stats, num_valid))
     loss, stats = _whole_member(shares[::-1], captured.layout)
-    return ReplayedMember(_gather_blocks(logps, blocks, captured), loss, stats)
+    return ReplayedMember(_gather_blocks(logps, blocks, captured), loss, stats,
+                          _gather_blocks(entropies, blocks, captured))
 
 
 def _whole_member(shares: list[tuple[torch.Tensor, dict[str, torch.Tensor], int]],

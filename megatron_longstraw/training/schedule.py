@@ -46,9 +46,12 @@ class StepResult:
     loss: float
     """Total GRPO loss of the group (sum of member shares)."""
     stats: dict[str, float]
-    """Mean reward, advantages, ratio and clip statistics, KL; with the engine's log-probs also
-    the mismatch figures (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl,
-    tis_frac)."""
+    """Mean reward, its within-group spread (`reward_group_std`: the population std of one
+    group's G rewards; merged: its mean over the groups), advantages, `zero_advantage_frac` (1 for a group
+    whose rewards are all equal; merged: the fraction of such groups), ratio and clip
+    statistics, KL, `entropy` (the policy's mean next-token entropy over the trained tokens, in
+    nats; replayed steps only); with the engine's log-probs also the mismatch figures
+    (offpolicy.mismatch_stats: mismatch_abs_mean / _max, mismatch_kl, tis_frac)."""
     logps: list[torch.Tensor]
     """Per-member per-token log-probs from replay (current parameters)."""
     logps_old: list[torch.Tensor]
@@ -57,7 +60,8 @@ class StepResult:
     """Per member: the engine-trainer importance weights [R_i] of the policy term (offpolicy.py),
     None when the group carries no engine log-probs."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of capture, scoring, replay."""
+    """Wall time of capture, scoring, replay (prompt_backward in exact mode; train_step adds
+    optimizer: finalisation, clipping and the step; the online launcher adds rollout)."""
     page_bytes: int = 0
     """Bytes of captured prompt state (all pages, this rank)."""
     page_bytes_by_kind: dict[str, int] = field(default_factory=dict)
@@ -252,15 +256,19 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     advantages = group_advantages(group.rewards.to(torch.float64), eps=loss_cfg.adv_eps,
                                   std_unbiased=loss_cfg.std_unbiased)
     num_members = len(group.response_ids)
+    group_tokens = sum(int(r.numel()) for r in group.response_ids)   # known before replay
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
+    entropy_sum, entropy_tokens = 0.0, 0   # replay's entropy, summed as members go (no [R] kept)
     with memory.phase("replay"):
         for i, response in enumerate(group.response_ids):
             # member_loss divides by G (num_members) and by R_i (num_tokens: the whole member's,
-            # also under CP) and multiplies by loss_scale (1/N groups per step); nothing divides
-            # again (losses and gradients are plain sums over members and groups).
+            # also under CP; or by the group's T = group_tokens, or G*C: loss_cfg.aggregation)
+            # and multiplies by loss_scale (1/N groups per step); nothing divides again (losses
+            # and gradients are plain sums over members and groups).
             args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
-                        num_tokens=int(response.numel()), loss_scale=loss_scale)
+                        num_tokens=int(response.numel()), loss_scale=loss_scale,
+                        group_tokens=group_tokens)
             ref = logps_ref[i] if logps_ref else None
             weight = weights[i] if weights else None
             mask = masks[i]
@@ -280,10 +288,13 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
                 logp = scored[i][0]
                 loss, stats = loss_of(logp)
             else:                # replay calls loss_of once, under autograd, and backpropagates
-                logp, loss, stats = replay_member(model, captured, response, scored[i][1], cfg,
-                                                  loss_of, routed_experts=engine[i][1],
-                                                  pages=pages[i])
+                logp, loss, stats, entropy = replay_member(
+                    model, captured, response, scored[i][1], cfg, loss_of,
+                    routed_experts=engine[i][1], pages=pages[i])
                 pages[i] = None               # consumed: freed with the member
+                entropy_sum += float(entropy.double().sum())
+                entropy_tokens += entropy.numel()
+                del entropy
             total += float(loss)
             logps.append(logp)
             member_stats.append(stats)
@@ -295,6 +306,8 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
         timings["prompt_backward"] = time.perf_counter() - start
 
     stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    if entropy_tokens:   # replayed: the policy's entropy, the mean over the group's trained tokens
+        stats["entropy"] = entropy_sum / entropy_tokens
     stats.update(mismatch)
     stores = [captured.pages] + ([ref_captured.pages] if ref_captured else [])
     by_kind: dict[str, int] = {}
@@ -352,9 +365,15 @@ def _summarise(rewards, advantages, member_stats, lengths) -> dict[str, float]:
     total = float(sum(lengths))
     def mean(key):
         return sum(float(s[key]) * n for s, n in zip(member_stats, lengths)) / total
+    r = rewards.double()
     return {
-        "reward_mean": float(rewards.double().mean()),
-        "reward_std": float(rewards.double().std(unbiased=False)),
+        "reward_mean": float(r.mean()),
+        # the spread of the G rewards within this group (merged: its mean over the groups), not
+        # a spread over steps or groups
+        "reward_group_std": float(r.std(unbiased=False)),
+        # 1 when every member's reward is the same: all advantages are zero (no signal); merged
+        # over the step's groups (merge_stats: the mean) it is the fraction of such groups
+        "zero_advantage_frac": float(bool(torch.all(r == r[0]))),
         "advantage_abs_mean": float(advantages.abs().mean()),
         "clip_frac": mean("clip_frac"),
         "ratio_mean": mean("ratio_mean"),
@@ -410,6 +429,7 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
                                           captured=captured)
                for group, captured in zip(groups, captures, strict=True)]
     result = merge_results(results)
+    start = time.perf_counter()
     finalize_longstraw_grads(model)
     result.stats["grad_norm"] = (clip_grads(model, max_grad_norm) if max_grad_norm
                                  else grad_norm(model))
@@ -420,6 +440,7 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
     if any_loss_bad or grad_bad:
         optimizer.zero_grad(set_to_none=True)
         result.skipped = True
+        result.phase_seconds["optimizer"] = time.perf_counter() - start
         if any_loss_bad and dist.is_initialized() and dist.get_world_size() > 1:
             flags = [None] * dist.get_world_size()
             dist.all_gather_object(flags, loss_bad)
@@ -428,4 +449,5 @@ def train_step(model, optimizer, groups: GRPOGroup | list[GRPOGroup], cfg: LongS
             result.nonfinite_loss_ranks = [0]
         return result
     optimizer.step()
+    result.phase_seconds["optimizer"] = time.perf_counter() - start   # finalize, clip, step
     return result

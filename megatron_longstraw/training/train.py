@@ -5,7 +5,8 @@ Parses Megatron's standard flags (megatron.training's parser from the pinned meg
 (`--longstraw-config`; flags win), starts CP x EP folded process groups, builds the model, and runs
 `--train-iters` GRPO steps: capture, scoring, serial replay, corrected finalisation, one optimizer
 step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-dir`), saves with
-`--save`/`--save-interval`, and writes a receipt for the last step. `--load` takes either a
+`--save`/`--save-interval`, and writes a receipt for the last step (with every step's scalars,
+`history`, phase and step wall times included) and the run's curves beside it (run_plot.py). `--load` takes either a
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
 `--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
@@ -22,7 +23,8 @@ OptimizerParamScheduler, stepped after each applied optimizer step, saved and re
 checkpoint); a NaN / inf loss or gradient (schedule.train_step skips the update; `nonfinite_step`
 stops the run under --check-for-nan-in-loss-and-grad, else it is counted as skipped_steps); the
 exit conditions (exit_conditions.py: signals, --exit-duration-in-mins, --exit-interval: save,
-return, exit 0).
+return, exit 0). The guards (guards.py) warn when a step has no learning signal or the policy's
+entropy collapses, and optionally stop the run like an exit condition.
 
 LoRA / QLoRA (`--longstraw-lora`, `--longstraw-qlora`, `--longstraw-lora-*`; adapters.py): the
 model is built, its initial weights loaded, then the targeted linears are wrapped (base frozen,
@@ -60,6 +62,7 @@ from megatron_longstraw.training import lr_schedule
 from megatron_longstraw.training.arguments import LoRASettings
 from megatron_longstraw.training.command_line import check_outputs, parse, resolve, resolve_lora
 from megatron_longstraw.training.exit_conditions import ExitConditions
+from megatron_longstraw.training.guards import SignalGuard
 from megatron_longstraw.training.group_sources import (
     check_data_flags,
     global_batch_size,
@@ -217,8 +220,11 @@ class Loop:
     steps_done: int
     history: list = dataclasses.field(default_factory=list)
     """The step scalars, into the receipt (the run's curves)."""
+    guard: SignalGuard | None = None
+    """The no-signal and entropy guards (guards.py)."""
     stopped: str | None = None
-    """Why an exit condition stopped the run (exit_conditions.py), None otherwise."""
+    """Why an exit condition (exit_conditions.py) or the no-signal guard (guards.py) stopped the
+    run, None otherwise."""
     result: Any = None
     """The last step's StepResult (None: no step ran), its replica mean, memory figures, groups."""
     report: Any = None
@@ -238,8 +244,10 @@ def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> L
     if run.resumed is not None:
         lr_schedule.restore(scheduler, run.resumed, run.first_step)
     skipped = int((run.resumed or {}).get("skipped_steps", 0))
+    guard = SignalGuard(launch.ls.entropy_floor, launch.ls.stop_after_no_signal,
+                        enabled=layout.rank == 0)
     return Loop(data, eval_data, sampler, consumed, scheduler, logger, skipped,
-                steps_done=run.first_step)
+                steps_done=run.first_step, guard=guard)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -255,8 +263,12 @@ def train_steps(launch: Launch, layout: Layout, run: Setup, loop: Loop, start: f
             train_one_step(launch, layout, run, loop, step)
             loop.steps_done = step + 1
             evaluate_if_due(launch, layout, run, loop)
+            # the guard reads the step's figures, the same on every rank: every rank stops
+            no_signal = loop.guard.check(step, loop.report.stats)
             loop.stopped = (exits.check(loop.steps_done) if loop.steps_done < launch.total_iters
                             else None)
+            if no_signal and loop.steps_done < launch.total_iters:
+                loop.stopped = loop.stopped or no_signal
             saved = None
             interval = args.save_interval and loop.steps_done % args.save_interval == 0
             if args.save and (loop.stopped or interval):
@@ -275,6 +287,7 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     position, the skipped step or the scheduler's step, the log line and the history."""
     from megatron_longstraw.training.schedule import train_step   # here: tests replace it
 
+    step_start = time.perf_counter()
     args, ls, model = launch.args, launch.ls, run.model
     online = ls.rollout == "online"
     groups = (None if online else step_groups(args, launch.model_cfg, ls, loop.sampler, loop.data,
@@ -285,8 +298,9 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     with SavedTensorMeter(model) as meter, live:
         captures = None
         if online:
-            rollouts = online_groups(model, ls, loop.sampler, loop.data, loop.consumed,
-                                     launch.reward_fn)
+            sampled = online_groups(model, ls, loop.sampler, loop.data, loop.consumed,
+                                    launch.reward_fn)
+            rollouts = sampled.rollouts
             groups = [r.group for r in rollouts]
             captures = [r.captured for r in rollouts]
         # 1/B: the update follows the mean over the step's B groups of each group's GRPO
@@ -295,12 +309,15 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
                             max_grad_norm=args.clip_grad, loss_scale=1.0 / layout.batch,
                             progress=bar, captures=captures)
         del captures
+    extras = {}
     if online:
         result.phase_seconds["rollout"] = sum(r.seconds for r in rollouts)
         lengths = [r.numel() for g in groups for r in g.response_ids]
         result.stats["response_len_mean"] = sum(lengths) / len(lengths)
         del rollouts
-    loop.consumed += layout.batch
+        if ls.dynamic_sampling:   # every round consumed a global batch of prompts
+            extras = dynamic_sampling_counts(sampled, layout.dp_size)
+    loop.consumed += layout.batch * (1 + (sampled.extra_rounds if online else 0))
     if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
         nonfinite_step(args, step, result, groups, layout.dp_rank)
         loop.skipped += 1
@@ -310,11 +327,28 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
     memory = step_memory(meter.peak_bytes, result.page_bytes,
                          {**live.phase_peaks, "step": live.peak_bytes}
                          if args.longstraw_live_bytes else None)
-    extras = {**memory, "optimizer/lr": lr, "skipped_steps": loop.skipped,
-              "consumed_groups": loop.consumed}
+    extras = {**memory, **extras, "optimizer/lr": lr, "skipped_steps": loop.skipped,
+              "consumed_groups": loop.consumed,
+              # the whole step on this rank: groups, rollout, the step, the replica mean
+              "time/step_s": time.perf_counter() - step_start}
     loop.logger.log(step, report, extras)
     loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
     loop.result, loop.report, loop.memory, loop.groups = result, report, memory, groups
+
+
+def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
+    """The step's dynamic-sampling counts (online.DynamicBatch), summed over the data-parallel
+    replicas (collective over the data-parallel group), as history keys."""
+    counts = (sampled.generated, sampled.dropped, sampled.resampled, sampled.short)
+    if dp_size > 1:
+        from megatron.core import parallel_state as ps
+
+        per_replica = [None] * dp_size
+        dist.all_gather_object(per_replica, counts, group=ps.get_data_parallel_group())
+        counts = tuple(sum(c) for c in zip(*per_replica))
+    names = ("generated_groups", "dropped_groups", "resampled_groups", "short_groups")
+    return {**{f"sampling/{name}": float(v) for name, v in zip(names, counts)},
+            "sampling/extra_rounds": float(sampled.extra_rounds)}
 
 
 def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> None:
@@ -443,11 +477,31 @@ def write_receipt(launch: Launch, layout: Layout, run: Setup, loop: Loop, params
                "global_batch_size": layout.batch},
         dtype=launch.dtype, steps=loop.steps_done, start=start)
     receipt["skipped_steps"] = loop.skipped
+    if loop.stopped:
+        receipt["stopped"] = loop.stopped
     receipt["history"] = loop.history
     if layout.rank != 0:
         return receipt
-    path = write_json_atomic(Path(args.longstraw_out_dir) / args.longstraw_run_name / "receipt.json",
-                             receipt)
+    folder = Path(args.longstraw_out_dir) / args.longstraw_run_name
+    plot = write_plot(loop.history, folder, f"{args.longstraw_run_name}: {launch.family}, "
+                                            f"{loop.steps_done} steps")
+    if plot is not None:
+        receipt["plot"] = plot.name
+    path = write_json_atomic(folder / "receipt.json", receipt)
     print(step_summary(receipt, model=get_family(launch.family).describe(launch.model_cfg),
                        lora=run.lora, backend=dist.get_backend(), path=path), flush=True)
+    print(f"curves: {plot}" if plot is not None else
+          "curves: no PNG (matplotlib is not installed; pip install matplotlib)", flush=True)
     return receipt
+
+
+def write_plot(history: list[dict], folder: Path, title: str) -> Path | None:
+    """The run's curves (run_plot.py) as `folder`/run_curves.png, beside receipt.json; None
+    when matplotlib is missing (the run's results do not depend on it)."""
+    from megatron_longstraw.training.run_plot import write_run_png
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return write_run_png(history, folder / "run_curves.png", title)
+    except ImportError:
+        return None
