@@ -225,10 +225,12 @@ def _case_model(family, cp, ep, state_path):
     return cfg, model, experts
 
 
-def exact_gradient_worker(rank, cases, lens):
+def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
     """Groups with the exact prompt gradient on CP (x EP) ranks, one case after the other in the
     same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
-    gradients by global name (fp64), for the test to compare with full-sequence autograd."""
+    gradients by global name (fp64), for the test to compare with full-sequence autograd.
+    `loss_masks`: the members' loss masks (agent trajectories); `settings`: LongStrawConfig
+    overrides."""
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
     from megatron_longstraw.distributed.expert_names import global_name
@@ -242,9 +244,11 @@ def exact_gradient_worker(rank, cases, lens):
         group = GRPOGroup(
             prompt_ids=torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen),
             response_ids=[torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens],
-            rewards=torch.tensor([1.0, 0.0, 0.5][:len(lens)], dtype=torch.float64))
+            rewards=torch.tensor([1.0, 0.0, 0.5][:len(lens)], dtype=torch.float64),
+            loss_masks=loss_masks)
         ls = LongStrawConfig(group_size=len(lens), query_block=29, key_block=37, token_block=50,
-                             max_response_len=64, clip_eps_high=0.28, prompt_grad="exact")
+                             max_response_len=64, clip_eps_high=0.28,
+                             **{"prompt_grad": "exact", **(settings or {})})
         model.zero_grad(set_to_none=True)
         forward_backward_longstraw(model, group, ls)
         finalize_longstraw_grads(model)

@@ -31,6 +31,11 @@ Options (``GRPOLossConfig``; each off by default, today's loss unchanged). With
     log_ratio_clamp d     rho_it = exp(clamp(logp_it - logp_old_it, -d, d))
     kl_clamp k            k_it = min(exp(ref-logp) - (ref-logp) - 1, k)
 
+Loss masks (agent trajectories; ``m_it`` = 1 where the policy produced token t, 0 for tool
+observations and other context): every sum over t runs over trained tokens only, and ``R_i`` and
+``T`` count trained tokens (``sum_t m_it``, ``sum_i sum_t m_it``); the masked tokens still run
+through the forward as context, only their terms go. Without a mask every ``m_it`` is 1.
+
 Every divisor is known before replay (the response lengths are): member ``i``'s share divides by
 ``G*R_i``, ``T`` (the whole group's token count, the same for every member) or ``G*C``
 (:func:`loss_divisor`), so the member-by-member sum is still the group loss and its gradient.
@@ -121,6 +126,7 @@ def member_loss(
     loss_scale: float = 1.0,
     token_weight: torch.Tensor | None = None,
     group_tokens: int | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Contribution of ONE group member to the GRPO loss, scaled by ``1/(G*R_i)`` (by
     :func:`loss_divisor` under another ``cfg.aggregation``).
@@ -141,6 +147,12 @@ def member_loss(
             0 removes a token's term, not the token from the mean.
         group_tokens: T = sum_j R_j, the group's response tokens (every member's, not this
             share's); needed by ``cfg.aggregation == "token_mean"`` only.
+        loss_mask: [R_i] bool, True where the token is trained (an agent trajectory's policy
+            tokens; False: tool observations, headers: context only). A masked token has no
+            term (its policy and KL terms are zero, no gradient flows through them) and is not
+            in the statistics; ``num_tokens`` and ``group_tokens`` then count trained tokens
+            (the caller's, for the whole member and group: R_i and T over trained tokens), and
+            the stats gain ``trained`` (this share's trained-token count).
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d tensor; summing it over the G members
@@ -157,6 +169,8 @@ def member_loss(
         raise ValueError(f"logp_old shape {tuple(logp_old.shape)} != logp shape {tuple(logp.shape)}.")
     if token_weight is not None and token_weight.shape != logp.shape:
         raise ValueError(f"token_weight shape {tuple(token_weight.shape)} != logp shape {tuple(logp.shape)}.")
+    if loss_mask is not None and loss_mask.shape != logp.shape:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != logp shape {tuple(logp.shape)}.")
     if logp_ref is not None and logp_ref.shape != logp.shape:
         raise ValueError(f"logp_ref shape {tuple(logp_ref.shape)} != logp shape {tuple(logp.shape)}.")
     if cfg.kl_coef > 0 and logp_ref is None:
@@ -167,9 +181,12 @@ def member_loss(
     dtype = torch.promote_types(logp.dtype, torch.float32)  # never do the loss math in bf16
     lp = logp.to(dtype)
     adv = torch.as_tensor(advantage, dtype=dtype, device=lp.device).detach()
-    num_tokens = lp.numel() if num_tokens is None else num_tokens
-    if num_tokens <= 0 or num_tokens < lp.numel():
-        raise ValueError(f"num_tokens={num_tokens} must be positive and cover logp ({lp.numel()}).")
+    trained = None if loss_mask is None else loss_mask.to(device=lp.device, dtype=torch.bool)
+    held = lp.numel() if trained is None else int(trained.sum())   # this share's trained tokens
+    num_tokens = held if num_tokens is None else num_tokens
+    if num_tokens <= 0 or num_tokens < held:
+        raise ValueError(f"num_tokens={num_tokens} must be positive and cover logp's trained "
+                         f"tokens ({held}).")
 
     divisor = loss_divisor(cfg, num_members, num_tokens, group_tokens)
 
@@ -185,6 +202,8 @@ def member_loss(
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
     if token_weight is not None:  # w_it: a constant, outside the min (it scales both branches)
         surrogate = surrogate * token_weight.detach().to(dtype)
+    if trained is not None:  # a masked token's term is 0 (where: no gradient, whatever its value)
+        surrogate = torch.where(trained, surrogate, 0.0)
     policy_sum = -surrogate.sum()
     policy_tok_mean = policy_sum / num_tokens  # 1/R_i: per-member token mean
 
@@ -194,6 +213,8 @@ def member_loss(
         k3 = torch.exp(d) - d - 1.0
         if cfg.kl_clamp is not None:  # flat above k: no gradient there
             k3 = torch.clamp(k3, max=cfg.kl_clamp)
+        if trained is not None:
+            k3 = torch.where(trained, k3, 0.0)
         kl_sum = k3.sum()
         del d, k3
         kl_tok_mean = kl_sum / num_tokens  # 1/R_i: per-member token mean
@@ -208,15 +229,20 @@ def member_loss(
     loss = loss * loss_scale  # 1/N groups per step (1 by default); nothing divides again later
 
     with torch.no_grad():
-        r = ratio.detach() if ratio.numel() else torch.ones(1, dtype=dtype, device=lp.device)
+        r = ratio.detach() if trained is None else ratio.detach()[trained]
+        r = r if r.numel() else torch.ones(1, dtype=dtype, device=lp.device)  # an empty share
         stats = {
             "policy_loss": policy_tok_mean.detach(),
             "kl": kl_tok_mean.detach(),
-            "clip_frac": (clipped.detach() < unclipped.detach()).to(dtype).sum() / num_tokens,
+            "clip_frac": ((clipped.detach() < unclipped.detach()) if trained is None else
+                          (clipped.detach() < unclipped.detach()) & trained).to(dtype).sum()
+                         / num_tokens,
             "ratio_mean": r.mean(),
             "ratio_max": r.max(),
             "ratio_min": r.min(),
         }
+        if trained is not None:
+            stats["trained"] = torch.tensor(float(held), dtype=dtype, device=lp.device)
     return loss, stats
 
 
@@ -240,12 +266,14 @@ def combine_shares(
     losses, stats, rows = zip(*shares)
     if sum(rows) <= 0:
         raise ValueError(f"the shares hold no tokens (rows {list(rows)}).")
+    if "trained" in stats[0]:   # a loss mask: the ratio figures are over trained tokens
+        rows = [int(s["trained"]) for s in stats]
     held = [s for s, n in zip(stats, rows) if n > 0]
-    merged = {key: torch.stack([s[key] for s in stats]).sum()
-              for key in ("policy_loss", "kl", "clip_frac")}
+    keys = ("policy_loss", "kl", "clip_frac") + (("trained",) if "trained" in stats[0] else ())
+    merged = {key: torch.stack([s[key] for s in stats]).sum() for key in keys}
     # 1/R_i: the token mean of the ratio over the whole member
     merged["ratio_mean"] = torch.stack([s["ratio_mean"] * n for s, n in zip(stats, rows)]).sum() \
-        / sum(rows)
+        / max(sum(rows), 1)
     merged["ratio_max"] = torch.stack([s["ratio_max"] for s in held]).max()
     merged["ratio_min"] = torch.stack([s["ratio_min"] for s in held]).min()
     return torch.stack(list(losses)).sum(), merged
@@ -258,9 +286,10 @@ def grpo_loss(
     cfg: GRPOLossConfig,
     logps_ref: list[torch.Tensor] | None = None,
     token_weights: list[torch.Tensor] | None = None,
+    loss_masks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Whole-group GRPO loss: the plain sum of :func:`member_loss` over members (token_mean's T:
-    the sum of the members' lengths).
+    the sum of the members' lengths, or of their trained tokens with `loss_masks`).
 
     Args:
         logps, logps_old (, logps_ref, token_weights): G tensors, member i of shape [R_i].
@@ -278,13 +307,15 @@ def grpo_loss(
             + ("" if token_weights is None else f", {len(token_weights)} token_weights")
         )
     adv = group_advantages(rewards, eps=cfg.adv_eps, std_unbiased=cfg.std_unbiased)
-    group_tokens = sum(int(lp.numel()) for lp in logps)  # T of token_mean
+    masks = [None] * g if loss_masks is None else [m.bool() for m in loss_masks]
+    group_tokens = sum(int(lp.numel()) if m is None else int(m.sum())
+                       for lp, m in zip(logps, masks))  # T of token_mean
     total: torch.Tensor | None = None
     for i in range(g):
         ref = None if logps_ref is None else logps_ref[i]
         weight = None if token_weights is None else token_weights[i]
         loss_i, _ = member_loss(logps[i], logps_old[i], adv[i], g, cfg, ref, token_weight=weight,
-                                group_tokens=group_tokens)
+                                group_tokens=group_tokens, loss_mask=masks[i])
         total = loss_i if total is None else total + loss_i
     assert total is not None
     return total

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -114,11 +113,6 @@ def validate_inputs(model, group: GRPOGroup, cfg: LongStrawConfig) -> None:
                 raise ValueError(f"response {i}: old log-probs must be finite at the trained "
                                  f"tokens with shape {tuple(r.shape)}, got shape "
                                  f"{tuple(lp.shape)}.")
-    if any(m is not None for m in masks) and not _masked_loss_available():
-        raise ValueError("the group's loss masks leave tokens untrained, but this build's GRPO "
-                         "loss has no masked form yet (grpo.loss.member_loss(loss_mask=...), "
-                         "the agent-trajectories issue, Build 2); drop 'loss_masks' (every token "
-                         "is then trained) or use a build with the masked loss.")
     routing_replay.validate_group(model, group)   # the engine's routed_experts / dsa_topk
 
 
@@ -140,13 +134,6 @@ def _loss_masks(group: GRPOGroup) -> list[torch.Tensor | None]:
                              f"got shape {tuple(mask.shape)} with {int(mask.sum())} trained.")
         masks.append(None if bool(mask.all()) else mask)
     return masks
-
-
-def _masked_loss_available() -> bool:
-    """Whether grpo.loss.member_loss takes `loss_mask` (issue 31 Build 2). Until it does, a
-    group whose masks leave tokens untrained is refused, never trained on every token.
-    TODO(issue 31, Build 2): drop this check once member_loss(loss_mask=) has landed."""
-    return "loss_mask" in inspect.signature(member_loss).parameters
 
 
 def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, ref_model=None,
@@ -256,7 +243,10 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
     advantages = group_advantages(group.rewards.to(torch.float64), eps=loss_cfg.adv_eps,
                                   std_unbiased=loss_cfg.std_unbiased)
     num_members = len(group.response_ids)
-    group_tokens = sum(int(r.numel()) for r in group.response_ids)   # known before replay
+    # R_i and T count trained tokens (all of them without loss masks); known before replay
+    trained = [int(r.numel()) if m is None else int(m.sum())
+               for r, m in zip(group.response_ids, masks)]
+    group_tokens = sum(trained)
     start = time.perf_counter()
     total, logps, member_stats = 0.0, [], []
     entropy_sum, entropy_tokens = 0.0, 0   # replay's entropy, summed as members go (no [R] kept)
@@ -267,7 +257,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
             # and multiplies by loss_scale (1/N groups per step); nothing divides again (losses
             # and gradients are plain sums over members and groups).
             args = dict(advantage=advantages[i], num_members=num_members, cfg=loss_cfg,
-                        num_tokens=int(response.numel()), loss_scale=loss_scale,
+                        num_tokens=trained[i], loss_scale=loss_scale,
                         group_tokens=group_tokens)
             ref = logps_ref[i] if logps_ref else None
             weight = weights[i] if weights else None
@@ -305,7 +295,7 @@ def _step(model, group, cfg, ref_model, forward_only, loss_scale, progress,
             prompt_backward(model, captured, cfg)
         timings["prompt_backward"] = time.perf_counter() - start
 
-    stats = _summarise(group.rewards, advantages, member_stats, [r.numel() for r in group.response_ids])
+    stats = _summarise(group.rewards, advantages, member_stats, trained)
     if entropy_tokens:   # replayed: the policy's entropy, the mean over the group's trained tokens
         stats["entropy"] = entropy_sum / entropy_tokens
     stats.update(mismatch)
