@@ -9,8 +9,10 @@ step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-di
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
 `--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
-while `--load` names the run's own checkpoints: the first run (no checkpoint there yet) starts
-from the former, later runs resume from the latter.
+while `--load` names the run's own checkpoints: the first run (no checkpoint there yet; --load
+must then also be --save) starts from the former, later runs resume from the latter. Any other
+`--load` that holds no checkpoint is an error (model_setup.starting_points), not a silent start
+from random weights.
 
 `main` lists the launcher's steps, each a function below; the concerns that are not the loop have
 their own modules: command_line.py (flags and YAML resolved into the run's settings),
@@ -69,7 +71,7 @@ from megatron_longstraw.training.group_sources import (
     step_groups,
 )
 from megatron_longstraw.training.metrics import ProgressBar, StepLogger, configure_logging
-from megatron_longstraw.training.model_setup import Setup, setup_model
+from megatron_longstraw.training.model_setup import Setup, setup_model, starting_points
 from megatron_longstraw.training.receipts import (
     parameter_counts,
     step_memory,
@@ -133,6 +135,7 @@ def configure(argv: list[str] | None) -> Launch:
         family, model_cfg, ls, dtype = resolve(args, given)
         lora, ls = resolve_lora(args, family, ls)
         check_outputs(args, lora)
+        starting_points(args)   # --load / --pretrained-checkpoint: something there to start from
         check_data_flags(args, given)
         reward_fn = load_reward_fn(args, ls)
         total_iters = args.train_iters or 1
