@@ -229,7 +229,32 @@ def build_parser(description: str = "Megatron-LM arguments + LongStraw") -> argp
     parser = LauncherParser(description=description, allow_abbrev=False)
     parser = add_longstraw_args(add_megatron_arguments(parser))
     escape_help_percents(parser)
+    fractional_timeout(parser)
     return parser
+
+
+# ---- Megatron adaptation: --distributed-timeout-minutes in fractions of a minute ------------------
+# Covers: megatron.training.arguments (megatron-core 0.19.2) declares --distributed-timeout-minutes
+# with type int (default 10). Why: a hung-rank test must end in seconds, and a user may want a bound
+# under a minute. Unchanged results: every integer Megatron accepts parses to the same value (an
+# int-valued float); the value only sets the process groups' timeout (parallel.initialize).
+
+
+def positive_minutes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0 minutes (fractions allowed: 0.5 = "
+                                         "30 s)")
+    return value
+
+
+def fractional_timeout(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest == "distributed_timeout_minutes":
+            action.type = positive_minutes
+            action.help = ("Timeout of every collective on every process group, in minutes "
+                           "(fractions allowed: 0.5 = 30 s; default 10, Megatron's): a rank whose "
+                           "peer hangs or died fails within it.")
 
 
 # ---- Megatron adaptation: printable help strings ------------------------------------------------

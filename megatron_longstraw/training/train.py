@@ -173,7 +173,8 @@ class Layout:
 
 def start_process_groups(launch: Launch, eval_data) -> Layout:
     """Select the kernels (an explicit backend whose package is missing fails here, at start),
-    start the CP x EP folded process groups, set the dtype, and check the group counts against
+    start the CP x EP folded process groups (every collective bounded by
+    --distributed-timeout-minutes, Megatron's default 10), set the dtype, and check the group counts against
     the data-parallel size."""
     from megatron.core import parallel_state as ps
 
@@ -185,7 +186,8 @@ def start_process_groups(launch: Launch, eval_data) -> Layout:
     args, ls = launch.args, launch.ls
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
     select.use(ls.kernels)
-    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed,
+                        timeout_s=args.distributed_timeout_minutes * 60.0)
     precision.use_dtype(launch.dtype)  # float64: Megatron's float32 islands kept in float64
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     with errors.configuration():
