@@ -62,6 +62,7 @@ from megatron_longstraw.training import lr_schedule
 from megatron_longstraw.training.arguments import LoRASettings
 from megatron_longstraw.training.command_line import check_outputs, parse, resolve, resolve_lora
 from megatron_longstraw.training.exit_conditions import ExitConditions
+from megatron_longstraw.training.megatron_flags import refuse_unimplemented
 from megatron_longstraw.training.group_sources import (
     check_data_flags,
     global_batch_size,
@@ -137,6 +138,7 @@ def configure(argv: list[str] | None) -> Launch:
         check_outputs(args, lora)
         starting_points(args)   # --load / --pretrained-checkpoint: something there to start from
         check_data_flags(args, given)
+        refuse_unimplemented(args, given, family)   # e.g. --optimizer sgd: never ignored
         reward_fn = load_reward_fn(args, ls)
         total_iters = args.train_iters or 1
         lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
