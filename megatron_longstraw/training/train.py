@@ -8,6 +8,9 @@ step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-di
 `--save`/`--save-interval`, and writes a receipt for the last step. `--load` takes either a
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
+One writer per `--save` folder: rank 0 holds `<save>/longstraw.lock` for the run (a second run is
+refused by name, a dead holder's lock taken over; checkpointing/save_lock.py), and a worker whose
+torchrun died stops (runtime/parent_watch.py).
 `--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
 while `--load` names the run's own checkpoints: the first run (no checkpoint there yet; --load
 must then also be --save) starts from the former, later runs resume from the latter. Any other
@@ -56,7 +59,8 @@ import torch.distributed as dist
 
 from megatron_longstraw.data.dataset import GroupSampler
 from megatron_longstraw.models.registry import get_family
-from megatron_longstraw.runtime import errors
+from megatron_longstraw.checkpointing import save_lock
+from megatron_longstraw.runtime import errors, parent_watch
 from megatron_longstraw.runtime.memory import LiveBytesMeter, SavedTensorMeter
 from megatron_longstraw.training import lr_schedule
 from megatron_longstraw.training.arguments import LoRASettings
@@ -93,19 +97,21 @@ def main(argv: list[str] | None = None) -> dict:
     step ran)."""
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     start = time.perf_counter()
+    parent_watch.watch_parent()   # under torchrun: stop if torchrun dies, never write as an orphan
     launch = configure(argv)
     configure_logging()   # after Megatron's import-time logging setup: information on rank 0
     data, eval_data = read_inputs(launch)
     layout = start_process_groups(launch, eval_data)
-    run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype, launch.ls,
-                      launch.lora, layout.ep)
-    params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
-    announce(run.messages, layout)
-    loop = start_loop(launch, layout, run, data, eval_data)
-    train_steps(launch, layout, run, loop, start)
-    loop.logger.close()
-    save_merged(launch, layout, run, loop)
-    return write_receipt(launch, layout, run, loop, params, start)
+    with save_lock.holding(launch.args.save, layout.rank) as took_over:   # one writer in --save
+        run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype, launch.ls,
+                          launch.lora, layout.ep)
+        params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
+        announce(([took_over] if took_over else []) + run.messages, layout)
+        loop = start_loop(launch, layout, run, data, eval_data)
+        train_steps(launch, layout, run, loop, start)
+        loop.logger.close()
+        save_merged(launch, layout, run, loop)
+        return write_receipt(launch, layout, run, loop, params, start)
 
 
 # ---- before the loop ----------------------------------------------------------------------------
