@@ -37,7 +37,9 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--longstraw-config", type=str, default=None,
                        help="YAML with `model:` and `longstraw:` sections; command-line flags win.")
     group.add_argument("--longstraw-family", choices=sorted(FAMILIES), default="glm52",
-                       help="Model family (megatron_longstraw/models/registry.py).")
+                       help="Model family (megatron_longstraw/models/registry.py; default: the "
+                            "one whose config fields the --longstraw-config model: section has, "
+                            "else glm52).")
     group.add_argument("--longstraw-group-size", type=int, default=None,
                        help="G: responses per prompt (>= 2).")
     group.add_argument("--longstraw-max-response-len", type=int, default=None,
