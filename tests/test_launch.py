@@ -148,6 +148,7 @@ def _slurm_command(path: Path) -> list[str]:
     line = next(l for l in text.splitlines() if "pretrain_gpt.py" in l and "srun" in l)
     line = re.sub(r"\$\{?(\w+)\}?", lambda m: ALLOCATION.get(m.group(1), f"/path/{m.group(1)}"), line)
     words = shlex.split(line)
+    words = words[:-1] if words[-1] == "&" else words   # run in the background: the shell waits
     return words[words.index(next(w for w in words if w.endswith("pretrain_gpt.py"))) + 1:]
 
 

@@ -346,15 +346,18 @@ def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> N
 
 def save(launch: Launch, run: Setup, loop: Loop) -> Path:
     """A checkpoint of the steps done in --save (weights checked finite first), with what a
-    resume needs: the scheduler, the counters, the data position."""
+    resume needs: the scheduler, the counters, the data position. A save made because an exit
+    condition stopped the run records why in meta.json ("stopped"; the SLURM scripts read it:
+    torchrun exits 1 after forwarding a signal even when every worker saved and exited 0)."""
     from megatron_longstraw.checkpointing.checkpoint import save_checkpoint
 
     check_finite_weights(run.model, loop.steps_done - 1)
+    meta = {**run.meta, **({"stopped": loop.stopped} if loop.stopped else {})}
     return save_checkpoint(launch.args.save, run.model, run.optimizer, loop.steps_done,
                            extra={"family": launch.family, "model": launch.model_cfg.to_dict(),
                                   lr_schedule.STATE_KEY: loop.scheduler.state_dict(),
                                   "skipped_steps": loop.skipped, "consumed_groups": loop.consumed},
-                           meta_extra=run.meta)
+                           meta_extra=meta)
 
 
 def _group_name(group, step: int, dp_rank: int) -> str:
