@@ -141,10 +141,14 @@ ALLOCATION = {"WORLD_SIZE": "32", "GPUS_PER_NODE": "8", "SLURM_NNODES": "4"}
 def _slurm_command(path: Path) -> list[str]:
     """The arguments the script passes to examples/pretrain_gpt.py, with the allocation's numbers
     substituted and other variables standing for paths."""
+    # "${LOAD[@]}": --load CHECKPOINT_DIR on a resubmitted job (test_operations_load.py runs
+    # the script's choice between a first run and a resume).
     text = path.read_text().replace("\\\n", " ")
+    text = text.replace('"${LOAD[@]}"', '--load "$CHECKPOINT_DIR"')
     line = next(l for l in text.splitlines() if "pretrain_gpt.py" in l and "srun" in l)
     line = re.sub(r"\$\{?(\w+)\}?", lambda m: ALLOCATION.get(m.group(1), f"/path/{m.group(1)}"), line)
     words = shlex.split(line)
+    words = words[:-1] if words[-1] == "&" else words   # run in the background: the shell waits
     return words[words.index(next(w for w in words if w.endswith("pretrain_gpt.py"))) + 1:]
 
 

@@ -86,7 +86,7 @@ def main(argv=None) -> list[dict]:
                               top_p=args.top_p, top_k=args.top_k, stop_ids=tuple(args.stop_ids))
         if args.group_size < 1:
             raise ValueError(f"--group-size {args.group_size}: generate at least one response.")
-        reward_fn = load_reward(args.reward) if args.reward else None
+        reward_fn = load_reward(args.reward, "--reward") if args.reward else None
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.init_seed)
     model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], 1)
     if args.checkpoint:

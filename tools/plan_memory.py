@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_longstraw import planner  # noqa: E402
 from megatron_longstraw.config.settings import PromptGrad  # noqa: E402
-from megatron_longstraw.models.registry import FAMILIES  # noqa: E402
+from megatron_longstraw.models.registry import FAMILIES, family_of_config  # noqa: E402
 
 # The full-size plan's layout per family (Family.planner), for --help.
 _LAYOUTS = {name: (f.planner.cp, f.planner.ep) for name, f in sorted(FAMILIES.items())}
@@ -44,7 +44,8 @@ def gpu_bytes(text: str) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(FAMILIES), default="glm52")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="default: the family whose config fields --config has, else glm52")
     p.add_argument("--config", default=None,
                    help="model YAML (default: the family's full-size example, "
                         "examples/<family>/full.yaml); its longstraw: section gives the block sizes")
@@ -97,7 +98,14 @@ def parse_args(argv=None):
                         "analytic) or torch (Megatron-Core's chunked rule, what the CPU runs: "
                         "every line checked against the live-bytes meter)")
     p.add_argument("--json", default=None, help="write the figures here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.family is None:
+        from megatron_longstraw.training.arguments import load_yaml
+
+        found = family_of_config(load_yaml(args.config).get("model") or {}) if args.config \
+            else None
+        args.family = found or "glm52"
+    return args
 
 
 def build_spec(args) -> planner.PlanSpec:

@@ -22,6 +22,12 @@ checkpoint and `latest` untouched; the next save removes leftover `.tmp-*` folde
 requires the same world size, CP and EP sizes (optimizer state and expert shards are per rank); the
 error says how to continue otherwise. The save folder must be visible to every rank.
 
+Failures are one line (CheckpointError, a user error): a save that cannot write (a full disk, a
+quota: safetensors and torch.save report it as their own errors) names the file, removes the
+unfinished `.tmp-step_N` and says that the previous checkpoint is intact; a checkpoint file that
+cannot be read (truncated safetensors header, a damaged rank file) raises `DamagedFile` naming it
+and the newest earlier checkpoint whose files are all there and open, with how to resume from it.
+
 Frozen parameters (requires_grad=False) are not saved. In a LoRA / QLoRA run that is the whole base
 model: a checkpoint holds the adapters (`lora_A` / `lora_B`), persistent buffers and the adapters'
 optimizer state. For Qwen3.6-27B at rank 19 the adapters are 0.46 GB (fp32); the base would add
@@ -44,6 +50,7 @@ differs, or LoRA settings that differ (`check_lora_resume`), with a message nami
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -54,9 +61,10 @@ from typing import Any
 
 import torch
 
-from megatron_longstraw.runtime.errors import CheckpointError
+from megatron_longstraw.runtime.errors import CheckpointError, PeerFailure
 from megatron_longstraw.checkpointing.model_format import (
-    FORMAT_VERSION, MODEL_WEIGHTS, SafetensorsReader, check_model_config, count_experts,
+    FORMAT_VERSION, MODEL_WEIGHTS, DamagedFile, SafetensorsReader, check_model_config,
+    count_experts, damaged,
     describe_layout, expert_ranks, fsync_dir, global_rank, local_tensors, parallel_layout,
     read_meta, routed_expert_names, unwrap, write_safetensors, write_text_atomic,
 )
@@ -145,15 +153,36 @@ def _write_rank_files(tmp: Path, model, optimizer, extra) -> None:
     num_experts, expert_names = count_experts(model), routed_expert_names(model)
     experts = {global_name(n, num_experts): t for n, t in tensors.items() if n in expert_names}
     if rank == 0:
-        write_safetensors(tmp / MODEL_WEIGHTS,
-                          {n: t for n, t in tensors.items() if n not in expert_names})
+        with _writing(tmp / MODEL_WEIGHTS):
+            write_safetensors(tmp / MODEL_WEIGHTS,
+                              {n: t for n, t in tensors.items() if n not in expert_names})
     if experts and expert_dp_rank == 0:
-        write_safetensors(tmp / _experts_file(ep_rank), experts)
-    path = tmp / _rank_file(rank)
-    with open(path, "wb") as f:
-        torch.save(_rank_state(model, optimizer, extra), f)
+        with _writing(tmp / _experts_file(ep_rank)):
+            write_safetensors(tmp / _experts_file(ep_rank), experts)
+    path, state = tmp / _rank_file(rank), _rank_state(model, optimizer, extra)
+    with _writing(path), open(path, "wb") as f:
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+class _WriteFailed(Exception):
+    """Writing a checkpoint file failed; safetensors and torch.save report a full disk as their
+    own error types (SafetensorError "I/O error: ...", RuntimeError "unexpected pos ..."), not
+    as OSError."""
+
+    def __init__(self, path: Path, exc: BaseException):
+        super().__init__(str(path))
+        self.filename = str(path)
+        self.strerror = " ".join(str(exc).split()) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - _disk_errors names the file and the cause
+        raise _WriteFailed(path, exc) from exc
 
 
 def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimizer, step: int,
@@ -178,9 +207,6 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
 
-    together("checkpoint save (prepare)", prepare)
-    together("checkpoint save (write)", _write_rank_files, tmp, model, optimizer, extra)
-
     def publish():
         if global_rank() != 0:
             return
@@ -203,8 +229,44 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
                 if old[1] != final:
                     shutil.rmtree(old[1], ignore_errors=True)
 
-    together("checkpoint save (publish)", publish)
+    previous = latest_checkpoint(save_dir)
+    disk = _disk_errors(int(step), save_dir, previous)
+    try:
+        together("checkpoint save (prepare)", disk(prepare))
+        together("checkpoint save (write)", disk(_write_rank_files), tmp, model, optimizer, extra)
+        together("checkpoint save (publish)", disk(publish))
+    except (CheckpointError, PeerFailure):
+        if global_rank() == 0:   # every rank is past its writes (together): free the space
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+def _disk_errors(step: int, save_dir: Path, previous: Path | None):
+    """Wraps a save phase: an OSError (a full disk, a quota, a folder that went away) becomes one
+    CheckpointError naming the file, saying that the previous checkpoint is intact and what to
+    do (the caller removes the unfinished `.tmp-step_*`)."""
+
+    def wrap(fn):
+        def run(*args):
+            try:
+                return fn(*args)
+            except (OSError, _WriteFailed) as exc:
+                where = f" writing {exc.filename}" if exc.filename else ""
+                kept = (f"the previous checkpoint {previous} is intact (`latest` still names it)"
+                        if previous is not None else "no earlier checkpoint was saved")
+                try:
+                    free = f", {shutil.disk_usage(save_dir).free / 2**20:.0f} MiB free there"
+                except OSError:
+                    free = ""
+                raise CheckpointError(
+                    f"saving step {step} into {save_dir} failed{where}: "
+                    f"{exc.strerror or exc}{free}; {kept} and the unfinished save is removed. "
+                    f"Free space (or pass another --save) and resume with --load "
+                    f"{save_dir}.") from None
+        return run
+
+    return wrap
 
 
 def _complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
@@ -363,6 +425,37 @@ def _load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict | None]:
             "(load_model; the optimizer state starts fresh).")
     check_model_config(meta, model, path)
 
+    try:
+        return _restore(path, meta, model, optimizer)
+    except DamagedFile as exc:
+        raise DamagedFile(f"{exc} {_fallback(path)}") from None
+
+
+def _fallback(path: Path) -> str:
+    """What to resume from when checkpoint `path` is damaged: the newest earlier checkpoint whose
+    files are all there and open (safetensors headers, meta.json), or advice without one."""
+    save_dir = path.parent
+    for _, older in sorted(_complete_checkpoints(save_dir), reverse=True):
+        if older != path and _looks_intact(older):
+            return (f"The previous checkpoint {older} is intact: resume from it by writing "
+                    f"{older.name} into {save_dir / LATEST} (or move {path} away).")
+    return (f"No other intact checkpoint is in {save_dir}: copy the folder again from where it "
+            "came from, or start a new run.")
+
+
+def _looks_intact(folder: Path) -> bool:
+    try:
+        meta = read_meta(folder / TRAIN_META, TRAIN_FORMAT)
+        files = [folder / name for name in meta.get("files", [])]
+        if not files or not all(f.is_file() and f.stat().st_size > 0 for f in files):
+            return False
+        SafetensorsReader([f for f in files if f.suffix == ".safetensors"])
+        return True
+    except (CheckpointError, OSError):
+        return False
+
+
+def _restore(path: Path, meta: dict, model, optimizer) -> tuple[int, dict | None]:
     ep_rank, _ = expert_ranks()
     files = [path / MODEL_WEIGHTS]
     if (path / _experts_file(ep_rank)).exists():
@@ -380,7 +473,11 @@ def _load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict | None]:
            if tensors.shape(n) != tuple(t.shape)]
     if bad:
         raise CheckpointError(f"{path}: shape mismatch for {len(bad)} tensors: {bad[:5]}.")
-    state = torch.load(path / _rank_file(global_rank()), map_location="cpu", weights_only=True)
+    rank_file = path / _rank_file(global_rank())
+    try:
+        state = torch.load(rank_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling, zip, EOF, OSError: the file named
+        raise damaged(rank_file, exc) from None
     if optimizer is not None:
         if "optimizer" not in state:
             raise CheckpointError(f"{path} was saved without optimizer state.")

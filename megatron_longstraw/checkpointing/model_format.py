@@ -95,17 +95,43 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
     fsync_file(path)
 
 
+class DamagedFile(CheckpointError):
+    """A file of a checkpoint or model-format directory that is missing or cannot be read
+    (truncated by a full disk or an interrupted copy, overwritten, not the expected format)."""
+
+
+def damaged(path, exc: BaseException) -> DamagedFile:
+    """A DamagedFile naming `path` and what reading it found, in one line (no advice to unpickle
+    with weights_only=False: the file is broken, not untrusted)."""
+    import pickle
+
+    path = Path(path)
+    if isinstance(exc, FileNotFoundError):
+        return DamagedFile(f"{path} is missing.")
+    if isinstance(exc, pickle.UnpicklingError):
+        reason = "not a readable torch.save file"
+    elif isinstance(exc, EOFError):
+        reason = "it ends early"
+    else:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+    size = f"{path.stat().st_size} bytes" if path.exists() else "gone"
+    return DamagedFile(f"{path} is damaged ({reason}; {size}).")
+
+
 class SafetensorsReader(Mapping):
     """Read-only `name -> tensor` over one or more safetensors files. Opening reads the headers
     only; a tensor is read from disk when it is looked up (`load_full_state_dict` then reads just
-    this rank's tensors)."""
+    this rank's tensors). A file that cannot be read raises DamagedFile naming it."""
 
     def __init__(self, files):
         from safetensors import safe_open
 
         self._handles, self._where = {}, {}
         for path in map(str, files):
-            handle = safe_open(path, framework="pt", device="cpu")
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file named
+                raise damaged(path, exc) from None
             self._handles[path] = handle
             for name in handle.keys():
                 if name in self._where:
@@ -113,7 +139,10 @@ class SafetensorsReader(Mapping):
                 self._where[name] = path
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file named
+            raise damaged(self._where[name], exc) from None
 
     def __contains__(self, name) -> bool:
         return name in self._where

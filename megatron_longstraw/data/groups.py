@@ -469,7 +469,8 @@ def _text_ids(value, fail, field, item, tokenizer) -> torch.Tensor:
                     f"token ids go in '{field.rstrip('s')}_ids'.")
     if tokenizer is None:
         fail(field, f"{_where(item)}is text but no tokenizer was given; pass a tokenizer "
-                    "(--tokenizer PATH) or give token ids instead.")
+                    "(the launcher's --longstraw-tokenizer PATH, or --tokenizer PATH of "
+                    "tools/score.py and tools/generate.py) or give token ids instead.")
     return torch.tensor(_encode(tokenizer, value), dtype=torch.long)
 
 

@@ -15,15 +15,21 @@ from megatron_longstraw.runtime import platform
 from megatron_longstraw.runtime.errors import ConfigError
 
 
+DEFAULT_TIMEOUT_S = 600.0
+"""Megatron's default --distributed-timeout-minutes (10)."""
+
+
 def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, seed: int = 1234,
-               timeout_s: float = 600.0, init_method: str | None = None) -> None:
+               timeout_s: float = DEFAULT_TIMEOUT_S, init_method: str | None = None) -> None:
     """Start torch.distributed (env:// rendezvous as torchrun sets it up, `init_method` when given,
     or a one-process group when no launcher set one up) and Megatron's model-parallel state with CP
-    and EP folded on the same ranks. `timeout_s` bounds every collective: a rank whose peer died
-    fails within it instead of hanging."""
+    and EP folded on the same ranks. `timeout_s` (the launcher's --distributed-timeout-minutes x
+    60) bounds every collective of every process group: a rank whose peer died or hangs fails
+    within it instead of waiting (`apply_timeout`)."""
     from megatron.core import parallel_state as ps
 
     platform.apply()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -35,8 +41,7 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
         if init_method is not None:
             kwargs = dict(init_method=init_method, rank=int(os.environ["RANK"]),
                           world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(platform.dist_backend(),
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        dist.init_process_group(platform.dist_backend(), timeout=timeout, **kwargs)
     world = dist.get_world_size()
     if world % context_parallel_size or world % expert_parallel_size:
         raise ConfigError(f"world size {world} must be divisible by the context-parallel size "
@@ -50,8 +55,27 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
         pipeline_model_parallel_size=1,
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_parallel_size,
+        distributed_timeout_minutes=timeout_s / 60.0,
     )
+    apply_timeout(timeout)
     platform.manual_seed(seed)
+
+
+def apply_timeout(timeout: datetime.timedelta) -> list:
+    """Set `timeout` on the default group and every group Megatron created (this rank's).
+    Megatron passes its `distributed_timeout_minutes` to most groups but not all (megatron-core
+    0.19.2 creates EXPERT_DATA_PARALLEL_GROUP_GLOO without it), and torch gives a group created
+    without a timeout its backend's default (30 minutes for gloo), not the default group's.
+    `torch.distributed.set_timeout` is local (no collective, unlike Megatron's
+    update_pg_timeout, which starts with a barrier). Returns the groups set."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = [dist.group.WORLD] + [g for g in (ps._global_process_group_list or [])
+                                   if g is not None and not c10d._rank_not_in_group(g)]
+    for group in groups:
+        dist.set_timeout(timeout, group)
+    return groups
 
 
 SUPPORTED_LAYOUT = (

@@ -15,7 +15,7 @@ from megatron_longstraw.models.family import Family
 FAMILIES: dict[str, Family] = {f.name: f for f in (glm52.FAMILY, qwen36.FAMILY,
                                                     deepseekv3.FAMILY)}
 
-__all__ = ["FAMILIES", "Family", "check_parallel_sizes", "get_family"]
+__all__ = ["FAMILIES", "Family", "check_parallel_sizes", "family_of_config", "get_family"]
 
 
 def get_family(name: str) -> Family:
@@ -23,6 +23,18 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"Unknown model family {name!r}; known: {sorted(FAMILIES)}.")
     return FAMILIES[name]
+
+
+def family_of_config(model_values: dict) -> str | None:
+    """The family whose config class has every field of a YAML's `model:` section (`model_values`),
+    when exactly one has; None otherwise (no section, or fields every family or none knows)."""
+    import dataclasses
+
+    if not model_values:
+        return None
+    fits = [name for name, family in FAMILIES.items()
+            if not set(model_values) - {f.name for f in dataclasses.fields(family.config_class)}]
+    return fits[0] if len(fits) == 1 else None
 
 
 def check_parallel_sizes(family: Family, expert_parallel_size: int) -> None:

@@ -57,11 +57,12 @@ class RewardError(UserError, ValueError):
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def load_reward(spec: str) -> RewardFn:
-    """The callable named by `spec` (module docstring). ConfigError, naming the spec and what to
-    do, when it has no colon, the module is not found or fails to import, the attribute is
-    missing, or it is not callable."""
-    where = f"--longstraw-reward {spec!r}"
+def load_reward(spec: str, flag: str = "--longstraw-reward") -> RewardFn:
+    """The callable named by `spec` (module docstring). ConfigError, naming `flag` (the caller's:
+    the launcher's --longstraw-reward, tools/generate.py's --reward), the spec and what to do,
+    when it has no colon, the module is not found or fails to import, the attribute is missing,
+    or it is not callable."""
+    where = f"{flag} {spec!r}"
     if not isinstance(spec, str) or ":" not in spec:
         raise ConfigError(f"{where}: expected 'module:function' (e.g. my_rewards:score) or "
                           f"'longstraw:<name>' (built-ins: {', '.join(sorted(BUILTINS))}).")

@@ -24,7 +24,9 @@ inside becomes a ConfigError with the same message.
 
 `run_entry(main)` is what the launcher (examples/pretrain_gpt.py -> train.cli) and tools/score.py
 run: a user error becomes one line on stderr, `error: <cause and where>`, and exit code 2, without
-a traceback; any other exception keeps its traceback (it is a bug). Under torchrun every rank
+a traceback; any other exception keeps its traceback (it is a bug). Under torchrun the line also
+goes to the worker's TORCHELASTIC_ERROR_FILE: torchrun's own failure report (its ChildFailedError
+traceback, which a worker cannot silence) then names it as the root cause. Under torchrun every rank
 usually raises the same error: rank 0 prints it and posts it in the launcher's rendezvous store;
 another rank exits silently when rank 0 posted the same message and otherwise (its error is its
 own) prints `error: rank N: <message>`. A rank that stops only because another rank failed
@@ -112,7 +114,20 @@ def run_entry(main, *args, **kwargs):
         sys.exit(1)
     except UserError as exc:
         report(exc)
+        _error_file(exc)
         sys.exit(EXIT_USER_ERROR)
+
+
+def _error_file(exc: BaseException) -> None:
+    """Under torchrun: the one line in this worker's TORCHELASTIC_ERROR_FILE, which torchrun's
+    failure summary shows as the root cause's `traceback` (instead of a link to its docs)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": f"error: {one_line(exc)}", "timestamp": int(time.time())}, f)
 
 
 def report(exc: BaseException, stream=None, wait_s: float = PEER_WAIT_S) -> None:

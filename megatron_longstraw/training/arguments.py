@@ -37,7 +37,9 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--longstraw-config", type=str, default=None,
                        help="YAML with `model:` and `longstraw:` sections; command-line flags win.")
     group.add_argument("--longstraw-family", choices=sorted(FAMILIES), default="glm52",
-                       help="Model family (megatron_longstraw/models/registry.py).")
+                       help="Model family (megatron_longstraw/models/registry.py; default: the "
+                            "one whose config fields the --longstraw-config model: section has, "
+                            "else glm52).")
     group.add_argument("--longstraw-group-size", type=int, default=None,
                        help="G: responses per prompt (>= 2).")
     group.add_argument("--longstraw-max-response-len", type=int, default=None,
@@ -230,7 +232,32 @@ def build_parser(description: str = "Megatron-LM arguments + LongStraw") -> argp
     parser = LauncherParser(description=description, allow_abbrev=False)
     parser = add_longstraw_args(add_megatron_arguments(parser))
     escape_help_percents(parser)
+    fractional_timeout(parser)
     return parser
+
+
+# ---- Megatron adaptation: --distributed-timeout-minutes in fractions of a minute ------------------
+# Covers: megatron.training.arguments (megatron-core 0.19.2) declares --distributed-timeout-minutes
+# with type int (default 10). Why: a hung-rank test must end in seconds, and a user may want a bound
+# under a minute. Unchanged results: every integer Megatron accepts parses to the same value (an
+# int-valued float); the value only sets the process groups' timeout (parallel.initialize).
+
+
+def positive_minutes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0 minutes (fractions allowed: 0.5 = "
+                                         "30 s)")
+    return value
+
+
+def fractional_timeout(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest == "distributed_timeout_minutes":
+            action.type = positive_minutes
+            action.help = ("Timeout of every collective on every process group, in minutes "
+                           "(fractions allowed: 0.5 = 30 s; default 10, Megatron's): a rank whose "
+                           "peer hangs or died fails within it.")
 
 
 # ---- Megatron adaptation: printable help strings ------------------------------------------------

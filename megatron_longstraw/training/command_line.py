@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_longstraw.models.registry import check_parallel_sizes, get_family
+from megatron_longstraw.models.registry import check_parallel_sizes, family_of_config, get_family
 from megatron_longstraw.runtime.errors import FlagError
 from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.training import arguments
@@ -53,6 +53,9 @@ def resolve(args, given: set[str]):
     parallel.check_model_parallel_sizes(args.tensor_model_parallel_size,
                                         args.pipeline_model_parallel_size,
                                         args.expert_tensor_parallel_size)
+    if "longstraw_family" not in given and args.longstraw_config:   # the YAML's model fields say
+        args.longstraw_family = family_of_config(
+            arguments.load_yaml(args.longstraw_config).get("model") or {}) or args.longstraw_family
     family = get_family(args.longstraw_family)
     check_parallel_sizes(family, args.expert_model_parallel_size)
     ls = longstraw_config_from_args(args)

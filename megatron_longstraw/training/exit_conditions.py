@@ -11,6 +11,12 @@ On any of them the launcher saves a checkpoint (when --save is set, whatever --s
 and returns normally: exit code 0, and a resume (--load) continues from the next step with the
 next learning rate. The ranks agree on the decision (one small MAX all-reduce per step), so a
 signal delivered to one process stops every process after the same step.
+
+Under torchrun the signal usually reaches torchrun (srun forwards it to its task; SLURM's
+preemption signals every process of the step): torchrun forwards it to the workers and SIGKILLs
+them after its --shutdown-timeout (default 30 s), so that timeout must cover the rest of a step
+plus the save; torchrun then exits 1 whatever the workers did (the SLURM scripts read the saved
+checkpoint's meta.json "stopped" to end the job with 0).
 """
 
 from __future__ import annotations

@@ -45,20 +45,29 @@ def configure_logging(rank: int | None = None, world_size: int | None = None) ->
 
 
 class ProgressBar:
-    """A plain progress bar on stderr (no dependency), for capture's layer loop on rank 0."""
+    """A plain progress bar on stderr (no dependency), for capture's layer loop on rank 0. On a
+    terminal it redraws one line (`\\r`); into a log file or pipe (SLURM's output, torchrun's
+    --redirects) it writes a plain line every `interval_s` and when done, never `\\r`."""
 
-    def __init__(self, label: str, width: int = 30, stream=None):
-        self.label, self.width = label, width
+    def __init__(self, label: str, width: int = 30, stream=None, interval_s: float = 30.0):
+        self.label, self.width, self.interval_s = label, width, interval_s
         self.stream = stream if stream is not None else sys.stderr   # the current one
-        self.start = time.perf_counter()
+        isatty = getattr(self.stream, "isatty", None)
+        self.terminal = bool(isatty and isatty())
+        self.start = self.last = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         filled = int(self.width * done / max(total, 1))
-        elapsed = time.perf_counter() - self.start
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
-                          f"{done}/{total} layers {elapsed:6.1f} s")
-        if done == total:
-            self.stream.write("\n")
+        now = time.perf_counter()
+        text = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} "
+                f"layers {now - self.start:6.1f} s")
+        if self.terminal:
+            self.stream.write("\r" + text + ("\n" if done == total else ""))
+        elif done == total or now - self.last >= self.interval_s:
+            self.stream.write(text + "\n")
+            self.last = now
+        else:
+            return
         self.stream.flush()
 
 

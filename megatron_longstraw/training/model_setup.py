@@ -40,9 +40,12 @@ class Setup:
     """The resumed checkpoint's `extra` (this rank's: the LR scheduler state), None at step 0."""
 
 
-def _starting_points(args) -> tuple[str | None, Path | None]:
+def starting_points(args) -> tuple[str | None, Path | None]:
     """(model-format directory of the initial weights or None, training checkpoint to resume or
-    None) from --load / --pretrained-checkpoint."""
+    None) from --load / --pretrained-checkpoint. A --load that holds no checkpoint is refused
+    (`_check_no_checkpoint`): Megatron would start from random weights there, silently, which
+    turns a typo in a resubmitted job's path into a new run. train.configure calls it before any
+    work; setup_model again."""
     from megatron_longstraw.checkpointing import checkpoint, model_format
 
     init, resume = args.pretrained_checkpoint, None
@@ -59,7 +62,40 @@ def _starting_points(args) -> tuple[str | None, Path | None]:
             init = args.load
         else:
             resume = checkpoint.latest_checkpoint(args.load)
+            if resume is None:
+                _check_no_checkpoint(args)
     return init, resume
+
+
+def first_run_of_fine_tuning(args) -> bool:
+    """Megatron's fine-tuning convention: with --pretrained-checkpoint, a --load folder that holds
+    no checkpoint yet starts from the pretrained weights. Accepted only where --load is also
+    --save (the run's own folder, empty on its first run), and not under
+    --exit-on-missing-checkpoint."""
+    return (args.pretrained_checkpoint is not None and not args.exit_on_missing_checkpoint
+            and args.save is not None
+            and Path(args.save).resolve() == Path(args.load).resolve())
+
+
+def _check_no_checkpoint(args) -> None:
+    """--load names a folder without a complete checkpoint: an error naming the folder and what
+    to do, except on the first run of a fine-tuning job (`first_run_of_fine_tuning`)."""
+    if first_run_of_fine_tuning(args):
+        return
+    folder = Path(args.load)
+    if not folder.exists():
+        what = "does not exist"
+    elif not folder.is_dir():
+        what = "is not a folder"
+    else:
+        leftovers = sorted(p.name for p in folder.iterdir())
+        what = ("is empty" if not leftovers else
+                f"holds no complete checkpoint (found {', '.join(leftovers[:4])}"
+                + (", ..." if len(leftovers) > 4 else "") + ")")
+    raise CheckpointError(
+        f"--load {args.load} {what}: nothing to resume or initialise from (no `latest`, no "
+        "step_* checkpoint, no tools/convert_hf.py output). Fix the path; on a first run drop "
+        "--load (pass --pretrained-checkpoint DIR to start from converted weights).")
 
 
 def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | None,
@@ -71,7 +107,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     from megatron_longstraw.checkpointing import checkpoint, model_format
     from megatron_longstraw.kernels import select
 
-    init, resume = _starting_points(args)
+    init, resume = starting_points(args)
     saved = checkpoint.read_checkpoint_meta(resume) if resume is not None else None
     if saved is not None and saved.get("family", family) != family:
         raise CheckpointError(f"{resume} holds a {saved['family']!r} run, not --longstraw-family "
@@ -97,6 +133,9 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     if init is not None and (resume is None or lora is not None):
         model_format.load_model(init, model, family=family, fp8_sources=fp8_sources)
         messages.append(f"initialised from model-format weights {init}")
+        if resume is None and args.load and init != args.load:
+            messages.append(f"no checkpoint in --load {args.load} yet: the first run of this "
+                            "fine-tuning job (later runs resume from it)")
     meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
             "lora": None, "dtype": model_format.DTYPE_NAMES[dtype]}   # dtype: checkpointing/export.py
     if lora is not None:

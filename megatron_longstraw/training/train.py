@@ -9,9 +9,14 @@ step each. Logs to stdout (one line per step) and TensorBoard (`--tensorboard-di
 `history`, phase and step wall times included) and the run's curves beside it (run_plot.py). `--load` takes either a
 training-checkpoint folder (resume: weights, optimizer, RNG, step) or a model-format directory
 written by tools/convert_hf.py (initial weights only; the run starts at step 0).
+One writer per `--save` folder: rank 0 holds `<save>/longstraw.lock` for the run (a second run is
+refused by name, a dead holder's lock taken over; checkpointing/save_lock.py), and a worker whose
+torchrun died stops (runtime/parent_watch.py).
 `--pretrained-checkpoint` (Megatron's fine-tuning flag) names the model-format initial weights
-while `--load` names the run's own checkpoints: the first run (no checkpoint there yet) starts
-from the former, later runs resume from the latter.
+while `--load` names the run's own checkpoints: the first run (no checkpoint there yet; --load
+must then also be --save) starts from the former, later runs resume from the latter. Any other
+`--load` that holds no checkpoint is an error (model_setup.starting_points), not a silent start
+from random weights.
 
 `main` lists the launcher's steps, each a function below; the concerns that are not the loop have
 their own modules: command_line.py (flags and YAML resolved into the run's settings),
@@ -56,13 +61,15 @@ import torch.distributed as dist
 
 from megatron_longstraw.data.dataset import GroupSampler
 from megatron_longstraw.models.registry import get_family
-from megatron_longstraw.runtime import errors
+from megatron_longstraw.checkpointing import save_lock
+from megatron_longstraw.runtime import errors, parent_watch
 from megatron_longstraw.runtime.memory import LiveBytesMeter, SavedTensorMeter
 from megatron_longstraw.training import lr_schedule
 from megatron_longstraw.training.arguments import LoRASettings
 from megatron_longstraw.training.command_line import check_outputs, parse, resolve, resolve_lora
 from megatron_longstraw.training.exit_conditions import ExitConditions
 from megatron_longstraw.training.guards import SignalGuard
+from megatron_longstraw.training.megatron_flags import refuse_unimplemented
 from megatron_longstraw.training.group_sources import (
     check_data_flags,
     global_batch_size,
@@ -72,7 +79,7 @@ from megatron_longstraw.training.group_sources import (
     step_groups,
 )
 from megatron_longstraw.training.metrics import ProgressBar, StepLogger, configure_logging
-from megatron_longstraw.training.model_setup import Setup, setup_model
+from megatron_longstraw.training.model_setup import Setup, setup_model, starting_points
 from megatron_longstraw.training.receipts import (
     parameter_counts,
     step_memory,
@@ -93,19 +100,21 @@ def main(argv: list[str] | None = None) -> dict:
     step ran)."""
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     start = time.perf_counter()
+    parent_watch.watch_parent()   # under torchrun: stop if torchrun dies, never write as an orphan
     launch = configure(argv)
     configure_logging()   # after Megatron's import-time logging setup: information on rank 0
     data, eval_data = read_inputs(launch)
     layout = start_process_groups(launch, eval_data)
-    run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype, launch.ls,
-                      launch.lora, layout.ep)
-    params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
-    announce(run.messages, layout)
-    loop = start_loop(launch, layout, run, data, eval_data)
-    train_steps(launch, layout, run, loop, start)
-    loop.logger.close()
-    save_merged(launch, layout, run, loop)
-    return write_receipt(launch, layout, run, loop, params, start)
+    with save_lock.holding(launch.args.save, layout.rank) as took_over:   # one writer in --save
+        run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype, launch.ls,
+                          launch.lora, layout.ep)
+        params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
+        announce(([took_over] if took_over else []) + run.messages, layout)
+        loop = start_loop(launch, layout, run, data, eval_data)
+        train_steps(launch, layout, run, loop, start)
+        loop.logger.close()
+        save_merged(launch, layout, run, loop)
+        return write_receipt(launch, layout, run, loop, params, start)
 
 
 # ---- before the loop ----------------------------------------------------------------------------
@@ -136,7 +145,9 @@ def configure(argv: list[str] | None) -> Launch:
         family, model_cfg, ls, dtype = resolve(args, given)
         lora, ls = resolve_lora(args, family, ls)
         check_outputs(args, lora)
+        starting_points(args)   # --load / --pretrained-checkpoint: something there to start from
         check_data_flags(args, given)
+        refuse_unimplemented(args, given, family)   # e.g. --optimizer sgd: never ignored
         reward_fn = load_reward_fn(args, ls)
         total_iters = args.train_iters or 1
         lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
@@ -173,7 +184,8 @@ class Layout:
 
 def start_process_groups(launch: Launch, eval_data) -> Layout:
     """Select the kernels (an explicit backend whose package is missing fails here, at start),
-    start the CP x EP folded process groups, set the dtype, and check the group counts against
+    start the CP x EP folded process groups (every collective bounded by
+    --distributed-timeout-minutes, Megatron's default 10), set the dtype, and check the group counts against
     the data-parallel size."""
     from megatron.core import parallel_state as ps
 
@@ -185,7 +197,8 @@ def start_process_groups(launch: Launch, eval_data) -> Layout:
     args, ls = launch.args, launch.ls
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
     select.use(ls.kernels)
-    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed)
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed,
+                        timeout_s=args.distributed_timeout_minutes * 60.0)
     precision.use_dtype(launch.dtype)  # float64: Megatron's float32 islands kept in float64
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     with errors.configuration():
@@ -367,15 +380,18 @@ def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> N
 
 def save(launch: Launch, run: Setup, loop: Loop) -> Path:
     """A checkpoint of the steps done in --save (weights checked finite first), with what a
-    resume needs: the scheduler, the counters, the data position."""
+    resume needs: the scheduler, the counters, the data position. A save made because an exit
+    condition stopped the run records why in meta.json ("stopped"; the SLURM scripts read it:
+    torchrun exits 1 after forwarding a signal even when every worker saved and exited 0)."""
     from megatron_longstraw.checkpointing.checkpoint import save_checkpoint
 
     check_finite_weights(run.model, loop.steps_done - 1)
+    meta = {**run.meta, **({"stopped": loop.stopped} if loop.stopped else {})}
     return save_checkpoint(launch.args.save, run.model, run.optimizer, loop.steps_done,
                            extra={"family": launch.family, "model": launch.model_cfg.to_dict(),
                                   lr_schedule.STATE_KEY: loop.scheduler.state_dict(),
                                   "skipped_steps": loop.skipped, "consumed_groups": loop.consumed},
-                           meta_extra=run.meta)
+                           meta_extra=meta)
 
 
 def _group_name(group, step: int, dp_rank: int) -> str:

@@ -1,0 +1,94 @@
+"""Small cuts a new user met: flags named as the entry point spells them, the family following
+from the config, a progress bar fit for log files, and torchrun's failure report naming the
+user error."""
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+QWEN_TINY = str(ROOT / "examples" / "qwen36" / "tiny.yaml")
+
+
+def test_errors_name_the_flag_of_the_entry_point(tmp_path):
+    import generate
+
+    from megatron_longstraw.data.groups import DataError, read_records
+    from megatron_longstraw.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--reward 'nocolon': expected 'module:function'"):
+        generate.main(["--family", "qwen36", "--config", QWEN_TINY, "--random-init", "--input",
+                       str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                       "--group-size", "2", "--max-new-tokens", "2", "--reward", "nocolon"])
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"prompt": "some text", "response_ids": [[1], [2]],
+                                "rewards": [0, 1]}) + "\n")
+    with pytest.raises(DataError, match=r"the launcher's --longstraw-tokenizer PATH, or "
+                                        r"--tokenizer PATH of tools/score\.py"):
+        list(read_records(data))
+
+
+def test_the_family_follows_from_the_config():
+    import plan_memory
+
+    from megatron_longstraw.training import train
+
+    args = plan_memory.parse_args(["--config", str(ROOT / "examples/qwen36/full.yaml")])
+    assert args.family == "qwen36"
+    assert plan_memory.build_spec(args).family == "qwen36"
+    assert plan_memory.parse_args([]).family == "glm52"   # no config: the default family
+    args, given = train.parse(["--longstraw", "--longstraw-config", QWEN_TINY])
+    assert train.resolve(args, given)[0] == "qwen36"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_redraws_on_a_terminal_and_writes_plain_lines_into_logs():
+    from megatron_longstraw.training.metrics import ProgressBar
+
+    log = io.StringIO()
+    bar = ProgressBar("step 0 capture", stream=log, interval_s=3600)
+    for done in range(1, 9):
+        bar(done, 8)
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().splitlines() == [log.getvalue().strip()]   # only the final line
+    assert log.getvalue().startswith("step 0 capture [##############################] 8/8 layers")
+    log = io.StringIO()
+    bar = ProgressBar("step 0 capture", stream=log, interval_s=0)
+    for done in range(1, 5):
+        bar(done, 4)
+    assert len(log.getvalue().splitlines()) == 4 and "\r" not in log.getvalue()
+    term = _Terminal()
+    bar = ProgressBar("step 0 capture", stream=term)
+    for done in range(1, 5):
+        bar(done, 4)
+    assert term.getvalue().count("\r") == 4 and term.getvalue().endswith("\n")
+
+
+def test_torchrun_reports_the_user_error_as_the_root_cause(tmp_path, monkeypatch, capsys):
+    """A worker's user error goes to its TORCHELASTIC_ERROR_FILE; torchrun's summary reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megatron_longstraw.runtime import errors
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def main():
+        raise errors.ConfigError("--optimizer sgd: not implemented.")
+
+    with pytest.raises(SystemExit) as info:
+        errors.run_entry(main)
+    assert info.value.code == errors.EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip() == "error: --optimizer sgd: not implemented."
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("examples/pretrain_gpt.py", {0: failure}).format_msg()
+    assert "traceback : error: --optimizer sgd: not implemented." in report
