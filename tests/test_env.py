@@ -122,3 +122,76 @@ def test_the_lookup_env_answers_from_the_prompt_and_rewards_the_answer_turn():
             load_env_factory(spec)
     with pytest.raises(ValueError, match="max_turns=0"):
         EnvLimits(max_turns=0)
+
+
+def _agent_prompts(tmp_path, meta_extra=None):
+    """Prompt lines for the lookup env: facts as (key, value) id pairs; the answer is a value."""
+    import json
+
+    gen = torch.Generator().manual_seed(8)
+    path = tmp_path / "agent.jsonl"
+    with path.open("w") as f:
+        for line in range(2):
+            ids = torch.randint(10, 500, (40,), generator=gen).tolist()
+            meta = {"answer": ids[7], "answer_turn": 3, **(meta_extra or {})}
+            f.write(json.dumps({"id": f"agent-{line}", "prompt_ids": ids, "meta": meta}) + "\n")
+    return str(path)
+
+
+def _agent_flags(tmp_path, name, data, *extra):
+    from pathlib import Path
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "qwen36" / "tiny.yaml")
+    return ["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config", tiny,
+            "--longstraw-data", data, "--longstraw-rollout", "online",
+            "--longstraw-env", "megatron_longstraw.rollout.example_env:lookup",
+            "--longstraw-env-turn-tokens", "3", "--longstraw-env-max-turns", "4",
+            "--longstraw-group-size", "2", "--longstraw-max-new-tokens", "16",
+            "--longstraw-dtype", "fp64", "--lr", "1e-2", "--seed", "5", "--train-iters", "2",
+            "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", name,
+            "--no-longstraw-live-bytes", *extra]
+
+
+def test_an_online_run_with_the_example_environment_trains_on_masked_trajectories(tmp_path):
+    """Through the launcher: every member makes two lookup calls and answers on its third turn
+    (the env's reward); the history holds each member's turns, tokens and reward."""
+    from megatron_longstraw.training import train
+
+    receipt = train.main(_agent_flags(tmp_path, "agent", _agent_prompts(tmp_path)))
+    for h in receipt["history"]:
+        assert h["env/turns_mean"] == 3.0 and h["env/errors"] == 0.0
+        assert h["env/observation_tokens_mean"] == 4.0      # two observations of [key, value]
+        for group in h["env_trajectories"]:
+            for member in group:
+                assert member["end"] == "env done" and member["reward_from"] == "env"
+                assert [t["policy_tokens"] for t in member["turns"]] == [3, 3, 3]
+                assert [t["observation_tokens"] for t in member["turns"]] == [2, 2, 0]
+                assert member["tokens"] == 13 and member["trained_tokens"] == 9
+                assert member["reward"] in (0.0, 1.0)
+        assert h["grpo/mismatch_abs_max"] < 1e-9      # decode's trajectory is what it trains on
+        assert h["grpo/grad_norm"] > 0 or h["grpo/zero_advantage_frac"] == 1.0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--longstraw-env", "nomodule"], "must be 'module:factory'"),
+    (["--longstraw-env-max-turns", "0"], "env_max_turns (--longstraw-env-max-turns) must be an "
+                                         "integer >= 1"),
+    (["--longstraw-env-timeout", "0"], "env_timeout (--longstraw-env-timeout) must be a positive"),
+])
+def test_bad_environment_settings_are_refused_at_start(tmp_path, extra, message):
+    from megatron_longstraw.runtime.errors import UserError
+    from megatron_longstraw.training import train
+
+    with pytest.raises(UserError) as caught:
+        train.main(_agent_flags(tmp_path, "bad", _agent_prompts(tmp_path), *extra))
+    assert message in str(caught.value)
+
+
+def test_an_environment_factory_that_fails_names_the_record(tmp_path):
+    from megatron_longstraw.runtime.errors import UserError
+    from megatron_longstraw.training import train
+
+    data = _agent_prompts(tmp_path, {"answer_turn": 0})     # LookupEnv refuses answer_turn 0
+    with pytest.raises(UserError, match=r"agent.jsonl line \d \(id 'agent-\d'\): the environment "
+                                        r"factory .*lookup raised ValueError: .*answer_turn=0"):
+        train.main(_agent_flags(tmp_path, "factory", data))

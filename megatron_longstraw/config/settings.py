@@ -139,6 +139,17 @@ class LongStrawConfig:
     """The most extra generation rounds of a dynamic-sampling step, each over the next global
     batch of prompts (a step generates at most (1 + rounds) x --global-batch-size groups); when
     they do not fill the batch, the remaining slots take dropped groups (counted as short)."""
+    env: str | None = None
+    """Online: an environment factory `module:factory` (rollout/env.py; the built-in example
+    `megatron_longstraw.rollout.example_env:lookup`): multi-turn trajectories, each env call's
+    observation prefilled into the member's state and masked out of the loss."""
+    env_max_turns: int = 8
+    """Online with `env`: environment calls per member."""
+    env_turn_tokens: int = 0
+    """Online with `env`: a turn also ends after this many policy tokens (0: only at the env's
+    stop ids)."""
+    env_timeout: float = 30.0
+    """Online with `env`: seconds one environment call may take (past it the member ends)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_response_len", "page_tokens", "token_block",
@@ -221,10 +232,33 @@ class LongStrawConfig:
             raise ValueError("longstraw dynamic_sampling (--longstraw-dynamic-sampling) drops "
                              "generated groups without signal and generates more: it needs "
                              "--longstraw-rollout online (offline groups are given).")
-        if self.rollout == "online" and self.reward is None:
+        self._check_env()
+        if self.rollout == "online" and self.reward is None and self.env is None:
             raise ValueError("--longstraw-rollout online rewards the generated responses: give a "
                              "reward function (--longstraw-reward module:function, YAML "
-                             "longstraw.reward).")
+                             "longstraw.reward) or an environment that rewards them "
+                             "(--longstraw-env).")
+
+    def _check_env(self) -> None:
+        if self.env is None:
+            return
+        if not isinstance(self.env, str) or ":" not in self.env:
+            raise ValueError(f"longstraw env (--longstraw-env) must be 'module:factory', got "
+                             f"{self.env!r}.")
+        if self.rollout != "online":
+            raise ValueError("longstraw env (--longstraw-env) answers the policy's tool calls while "
+                             "it generates: it needs --longstraw-rollout online (offline "
+                             "trajectories carry their own loss_masks).")
+        for name, low in (("env_max_turns", 1), ("env_turn_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                flag = "--longstraw-" + name.replace("_", "-")
+                raise ValueError(f"longstraw {name} ({flag}) must be an integer >= {low}, got "
+                                 f"{value!r}.")
+        if isinstance(self.env_timeout, bool) or not isinstance(self.env_timeout, (int, float)) \
+                or not 0 < self.env_timeout < float("inf"):
+            raise ValueError(f"longstraw env_timeout (--longstraw-env-timeout) must be a positive "
+                             f"number of seconds, got {self.env_timeout!r}.")
 
     def page_formats(self) -> dict[str, str]:
         """Page kind -> storage format for the capture's `PageStore` (`formats`): "index_key" is

@@ -35,12 +35,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.rollout.decode import generate
+from megatron_longstraw.rollout.env import EnvLimits, load_env_factory
 from megatron_longstraw.rollout.rewards import compute_rewards
+from megatron_longstraw.runtime.errors import ConfigError
 
 
 @dataclass
@@ -51,6 +55,10 @@ class Rollout:
     captured: CapturedPrompt
     seconds: float
     """Wall time of generation and rewards (capture: `captured.seconds`)."""
+    trajectories: list[dict] | None = None
+    """With an environment, per member: {"turns": [{"policy_tokens", "observation_tokens",
+    "reward"}, ..], "end": why it ended, "reward": the member's reward and where it came from
+    ("env" or "reward function"; "none": 0, neither gave one)}."""
 
 
 def sampling_params(cfg: LongStrawConfig, seed: int) -> SamplingParams:
@@ -68,16 +76,70 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     if control == "zeros":
         captured.pages.zero_()
     start = time.perf_counter()
-    generations = generate(model, captured, cfg.group_size, sampling_params(cfg, seed), cfg)
-    responses = [g.token_ids for g in generations]
     source = getattr(record.group, "source", None) or f"line {record.line}"
     name = source + (f" (id {record.id!r})" if record.id != record.line else "")
-    rewards = compute_rewards(reward_fn, prompt, responses, record.meta, None, tokenizer,
-                              record=name)
+    envs = _make_envs(cfg, record, prompt, tokenizer, name) if cfg.env else None
+    generations = generate(model, captured, cfg.group_size, sampling_params(cfg, seed), cfg,
+                           envs=envs, env_limits=_env_limits(cfg) if envs else None,
+                           tokenizer=tokenizer)
+    responses = [g.token_ids for g in generations]
+    trajectories = None
+    if envs is None:
+        rewards = compute_rewards(reward_fn, prompt, responses, record.meta, None, tokenizer,
+                                  record=name)
+    else:
+        rewards, trajectories = _env_rewards(generations, reward_fn, prompt, record, tokenizer,
+                                             name)
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
-                      logps_old=[g.sample_logprobs for g in generations])
+                      logps_old=[g.sample_logprobs for g in generations],
+                      loss_masks=[g.loss_mask for g in generations] if envs else None)
     group.source = source
-    return Rollout(group, captured, time.perf_counter() - start)
+    return Rollout(group, captured, time.perf_counter() - start, trajectories)
+
+
+def _env_limits(cfg: LongStrawConfig) -> EnvLimits:
+    return EnvLimits(max_turns=cfg.env_max_turns, turn_tokens=cfg.env_turn_tokens,
+                     timeout_s=cfg.env_timeout)
+
+
+def _make_envs(cfg: LongStrawConfig, record, prompt, tokenizer, name: str) -> list:
+    """One environment per member from the record (`factory(meta, prompt_ids, tokenizer)`); a
+    factory that fails is the run's configuration or data, not one member's: it stops the step
+    with the record named."""
+    factory = load_env_factory(cfg.env)
+    envs = []
+    for _ in range(cfg.group_size):
+        try:
+            envs.append(factory(record.meta, prompt, tokenizer))
+        except Exception as exc:
+            raise ConfigError(f"{name}: the environment factory {cfg.env} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+    return envs
+
+
+def _env_rewards(generations, reward_fn, prompt, record, tokenizer, name: str):
+    """Each member's reward: the environment's final one when it gave one, else the reward
+    function's (over the whole trajectory), else 0 (a member the environment ended without one,
+    e.g. an error, and no reward function) -> (rewards [G], trajectory records)."""
+    from_env = [g.env_reward for g in generations]
+    missing = [i for i, r in enumerate(from_env) if r is None]
+    computed = None
+    if missing and reward_fn is not None:
+        computed = compute_rewards(reward_fn, prompt, [g.token_ids for g in generations],
+                                   record.meta, None, tokenizer, record=name)
+    rewards, records = [], []
+    for i, g in enumerate(generations):
+        if from_env[i] is not None:
+            reward, origin = from_env[i], "env"
+        elif computed is not None:
+            reward, origin = float(computed[i]), "reward function"
+        else:
+            reward, origin = 0.0, "none"
+        rewards.append(reward)
+        records.append({"turns": g.turns, "end": g.end_reason, "reward": reward,
+                        "reward_from": origin, "tokens": int(g.token_ids.numel()),
+                        "trained_tokens": int(g.loss_mask.sum())})
+    return torch.tensor(rewards, dtype=torch.float64), records
 
 
 def has_signal(group: GRPOGroup) -> bool:

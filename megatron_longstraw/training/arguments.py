@@ -331,15 +331,15 @@ _FLAG_TO_FIELD = {
 }
 
 
-# ---- loss options, guards, dynamic sampling (YAML keys: the fields of _RL_FLAG_TO_FIELD) -----
+# ---- loss options, guards, dynamic sampling, environments (YAML keys: _RL_FLAG_TO_FIELD's) -----
 
 
 def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
         "longstraw: loss options, guards, dynamic sampling (YAML `longstraw:` keys "
         "loss_aggregation, loss_constant, dual_clip, log_ratio_clamp, kl_clamp, entropy_floor, "
-        "stop_after_no_signal, dynamic_sampling, dynamic_sampling_rounds; docs/design.md "
-        "section 2)")
+        "stop_after_no_signal, dynamic_sampling, dynamic_sampling_rounds, env, env_max_turns, "
+        "env_turn_tokens, env_timeout; docs/design.md section 2)")
     group.add_argument("--longstraw-loss-aggregation", choices=LOSS_AGGREGATIONS, default=None,
                        help="sequence_mean (default): each member's token mean, then the mean "
                             "over the group; token_mean (DAPO): the mean over all the group's "
@@ -370,10 +370,27 @@ def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="The most extra generation rounds per step of dynamic sampling, each "
                             "over the next --global-batch-size prompts (default 4); past it the "
                             "batch is filled with dropped groups.")
+    group.add_argument("--longstraw-env", type=str, default=None, metavar="MODULE:FACTORY",
+                       help="Online: an environment per member, made by FACTORY(meta, prompt_ids, "
+                            "tokenizer) (rollout/env.py): multi-turn trajectories, the tool "
+                            "observations prefilled and masked out of the loss. Built-in "
+                            "example: megatron_longstraw.rollout.example_env:lookup.")
+    group.add_argument("--longstraw-env-max-turns", type=int, default=None, metavar="N",
+                       help="Environment calls per member (default 8).")
+    group.add_argument("--longstraw-env-turn-tokens", type=int, default=None, metavar="N",
+                       help="A turn also ends after N policy tokens (default 0: only at the "
+                            "environment's stop ids).")
+    group.add_argument("--longstraw-env-timeout", type=float, default=None, metavar="SECONDS",
+                       help="Seconds one environment call may take; past it the member ends "
+                            "with a record (default 30).")
     return parser
 
 
 _RL_FLAG_TO_FIELD = {
+    "longstraw_env": "env",
+    "longstraw_env_max_turns": "env_max_turns",
+    "longstraw_env_turn_tokens": "env_turn_tokens",
+    "longstraw_env_timeout": "env_timeout",
     "longstraw_loss_aggregation": "loss_aggregation",
     "longstraw_loss_constant": "loss_constant",
     "longstraw_dual_clip": "dual_clip",

@@ -322,14 +322,17 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
                             max_grad_norm=args.clip_grad, loss_scale=1.0 / layout.batch,
                             progress=bar, captures=captures)
         del captures
-    extras = {}
+    extras, trajectories = {}, None
     if online:
         result.phase_seconds["rollout"] = sum(r.seconds for r in rollouts)
         lengths = [r.numel() for g in groups for r in g.response_ids]
         result.stats["response_len_mean"] = sum(lengths) / len(lengths)
+        if ls.env:   # this rank's groups' trajectories: per member its turns, end and reward
+            trajectories = [r.trajectories for r in rollouts]
+            extras.update(env_summary(trajectories))
         del rollouts
         if ls.dynamic_sampling:   # every round consumed a global batch of prompts
-            extras = dynamic_sampling_counts(sampled, layout.dp_size)
+            extras.update(dynamic_sampling_counts(sampled, layout.dp_size))
     loop.consumed += layout.batch * (1 + (sampled.extra_rounds if online else 0))
     if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
         nonfinite_step(args, step, result, groups, layout.dp_rank)
@@ -346,7 +349,21 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
               "time/step_s": time.perf_counter() - step_start}
     loop.logger.log(step, report, extras)
     loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
+    if trajectories is not None:
+        loop.history[-1]["env_trajectories"] = trajectories
     loop.result, loop.report, loop.memory, loop.groups = result, report, memory, groups
+
+
+def env_summary(trajectories: list[list[dict]]) -> dict[str, float]:
+    """The step's environment figures over this rank's members (online.Rollout.trajectories):
+    turns, policy and observation tokens per member, members ended by an environment error."""
+    members = [m for group in trajectories for m in group]
+    turns = [t for m in members for t in m["turns"]]
+    count = max(len(members), 1)
+    return {"env/turns_mean": len(turns) / count,
+            "env/policy_tokens_mean": sum(m["trained_tokens"] for m in members) / count,
+            "env/observation_tokens_mean": sum(t["observation_tokens"] for t in turns) / count,
+            "env/errors": float(sum(m["end"].startswith("env error") for m in members))}
 
 
 def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
