@@ -4,7 +4,8 @@ format, so they also feed the offline path (`--longstraw-data`).
     python tools/generate.py --family qwen36 --config examples/qwen36/tiny.yaml --checkpoint DIR \
         --input prompts.jsonl --out groups.jsonl --group-size 8 --max-new-tokens 256 \
         [--temperature 1.0 --top-p 1.0 --top-k 0 --stop-ids 2 --seed 0] \
-        [--reward longstraw:marker_majority] [--tokenizer PATH] [--dtype fp32|fp64]
+        [--reward longstraw:marker_majority] [--tokenizer PATH] [--dtype fp32|fp64] \
+        [--env megatron_longstraw.rollout.example_env:lookup --env-turn-tokens 3]
     python tools/generate.py --checkpoint CONVERTED --input prompts.jsonl --out groups.jsonl ...
 
 The input holds prompt lines (a prompt as "prompt" text, "prompt_ids", "prompt_file" or chat
@@ -17,6 +18,11 @@ with temperature 1 and no truncation, the model's, equal to what training's scor
 the "meta", and, with `--reward` (rewards.py), "rewards"; without, train on it with
 `--longstraw-reward`. Prompt lines are written back with the same prompt field (a prompt_file
 keeps its path, relative to the output's folder when the input's folder differs).
+
+With `--env module:factory` (rollout/env.py, as `--longstraw-env`): multi-turn trajectories, the
+environments' observations prefilled; each line then also carries "loss_masks" (0 at the
+observations' tokens) and the rewards the environments gave (else `--reward`'s, else 0), so the
+file trains offline on the policy's own tokens only.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ def parse_args(argv=None):
                    help="Reward function (rewards.py) that fills in 'rewards'.")
     p.add_argument("--tokenizer", help="Local tokenizer (text prompts; decoded text for rewards).")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--env", default=None, metavar="MODULE:FACTORY",
+                   help="An environment per member (rollout/env.py; --longstraw-env).")
+    p.add_argument("--env-max-turns", type=int, default=8)
+    p.add_argument("--env-turn-tokens", type=int, default=0)
+    p.add_argument("--env-timeout", type=float, default=30.0)
     return p.parse_args(argv)
 
 
@@ -76,6 +87,8 @@ def main(argv=None) -> list[dict]:
     from megatron_longstraw.rollout.decode import generate
     from megatron_longstraw.config.sampling import SamplingParams
     from megatron_longstraw.context.capture import capture_prompt
+    from megatron_longstraw.rollout.env import load_env_factory
+    from megatron_longstraw.rollout.online import env_limits, env_rewards, make_envs
     from megatron_longstraw.rollout.rewards import compute_rewards, load_reward
 
     with errors.configuration():
@@ -87,6 +100,11 @@ def main(argv=None) -> list[dict]:
         if args.group_size < 1:
             raise ValueError(f"--group-size {args.group_size}: generate at least one response.")
         reward_fn = load_reward(args.reward, "--reward") if args.reward else None
+        if args.env:
+            ls.env, ls.env_max_turns = args.env, args.env_max_turns
+            ls.env_turn_tokens, ls.env_timeout = args.env_turn_tokens, args.env_timeout
+            load_env_factory(args.env)
+            env_limits(ls)                     # their checks name the bad value
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.init_seed)
     model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], 1)
     if args.checkpoint:
@@ -106,7 +124,11 @@ def main(argv=None) -> list[dict]:
                 prompt = record.group.prompt_ids
                 captured = capture_prompt(model, prompt, ls)
                 params = SamplingParams(**{**base.__dict__, "seed": args.seed + k})
-                gens = generate(model, captured, args.group_size, params, ls)
+                name = f"{args.input} line {record.line}"
+                envs = (make_envs(ls, record, prompt, tokenizer, name, args.group_size)
+                        if args.env else None)
+                gens = generate(model, captured, args.group_size, params, ls, envs=envs,
+                                env_limits=env_limits(ls) if envs else None, tokenizer=tokenizer)
                 given = json.loads(read_line(prompts.path, int(prompts.offsets[k])))
                 row = {key: value for key, value in given.items()
                        if key in ("id", "prompt", "prompt_ids", "prompt_file",
@@ -116,8 +138,11 @@ def main(argv=None) -> list[dict]:
                         Path(args.input).parent / row["prompt_file"], out.parent)
                 row["response_ids"] = [g.token_ids.tolist() for g in gens]
                 row["logprobs_old"] = [g.sample_logprobs.tolist() for g in gens]
-                if reward_fn is not None:
-                    name = f"{args.input} line {record.line}"
+                if envs is not None:
+                    row["loss_masks"] = [g.loss_mask.int().tolist() for g in gens]
+                    rewards, _ = env_rewards(gens, reward_fn, prompt, record, tokenizer, name)
+                    row["rewards"] = rewards.tolist()
+                elif reward_fn is not None:
                     row["rewards"] = compute_rewards(
                         reward_fn, prompt, [g.token_ids for g in gens], record.meta, None,
                         tokenizer, record=name).tolist()

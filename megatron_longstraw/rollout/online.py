@@ -78,9 +78,10 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     start = time.perf_counter()
     source = getattr(record.group, "source", None) or f"line {record.line}"
     name = source + (f" (id {record.id!r})" if record.id != record.line else "")
-    envs = _make_envs(cfg, record, prompt, tokenizer, name) if cfg.env else None
+    envs = (make_envs(cfg, record, prompt, tokenizer, name, cfg.group_size) if cfg.env
+            else None)
     generations = generate(model, captured, cfg.group_size, sampling_params(cfg, seed), cfg,
-                           envs=envs, env_limits=_env_limits(cfg) if envs else None,
+                           envs=envs, env_limits=env_limits(cfg) if envs else None,
                            tokenizer=tokenizer)
     responses = [g.token_ids for g in generations]
     trajectories = None
@@ -88,7 +89,7 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
         rewards = compute_rewards(reward_fn, prompt, responses, record.meta, None, tokenizer,
                                   record=name)
     else:
-        rewards, trajectories = _env_rewards(generations, reward_fn, prompt, record, tokenizer,
+        rewards, trajectories = env_rewards(generations, reward_fn, prompt, record, tokenizer,
                                              name)
     group = GRPOGroup(prompt_ids=prompt, response_ids=responses, rewards=rewards,
                       logps_old=[g.sample_logprobs for g in generations],
@@ -97,18 +98,18 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     return Rollout(group, captured, time.perf_counter() - start, trajectories)
 
 
-def _env_limits(cfg: LongStrawConfig) -> EnvLimits:
+def env_limits(cfg: LongStrawConfig) -> EnvLimits:
     return EnvLimits(max_turns=cfg.env_max_turns, turn_tokens=cfg.env_turn_tokens,
                      timeout_s=cfg.env_timeout)
 
 
-def _make_envs(cfg: LongStrawConfig, record, prompt, tokenizer, name: str) -> list:
-    """One environment per member from the record (`factory(meta, prompt_ids, tokenizer)`); a
+def make_envs(cfg: LongStrawConfig, record, prompt, tokenizer, name: str, count: int) -> list:
+    """`count` environments, one per member, from the record (`factory(meta, prompt_ids, tokenizer)`); a
     factory that fails is the run's configuration or data, not one member's: it stops the step
     with the record named."""
     factory = load_env_factory(cfg.env)
     envs = []
-    for _ in range(cfg.group_size):
+    for _ in range(count):
         try:
             envs.append(factory(record.meta, prompt, tokenizer))
         except Exception as exc:
@@ -117,7 +118,7 @@ def _make_envs(cfg: LongStrawConfig, record, prompt, tokenizer, name: str) -> li
     return envs
 
 
-def _env_rewards(generations, reward_fn, prompt, record, tokenizer, name: str):
+def env_rewards(generations, reward_fn, prompt, record, tokenizer, name: str):
     """Each member's reward: the environment's final one when it gave one, else the reward
     function's (over the whole trajectory), else 0 (a member the environment ended without one,
     e.g. an error, and no reward function) -> (rewards [G], trajectory records)."""
