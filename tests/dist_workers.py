@@ -230,7 +230,7 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
     same processes (`cases`: (family, cp, ep, weights path, prompt length)): each case's finalized
     gradients by global name (fp64), for the test to compare with full-sequence autograd.
     `loss_masks`: the members' loss masks (agent trajectories); `settings`: LongStrawConfig
-    overrides."""
+    overrides (one dict for every case, or a list: one per case)."""
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
     from megatron_longstraw.distributed.expert_names import global_name
@@ -238,7 +238,8 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
     from megatron_longstraw.data.group import GRPOGroup
 
     outs = []
-    for family, cp, ep, state_path, prompt_len in cases:
+    per_case = settings if isinstance(settings, list) else [settings] * len(cases)
+    for (family, cp, ep, state_path, prompt_len), settings in zip(cases, per_case):
         cfg, model, experts = _case_model(family, cp, ep, state_path)
         gen = torch.Generator().manual_seed(11)
         group = GRPOGroup(

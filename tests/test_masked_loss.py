@@ -145,26 +145,46 @@ def test_masked_update_equals_full_autograd_of_the_masked_loss(family, prompt_le
     assert unmasked > 1e-3
 
 
+def test_masked_qwen36_detached_update_equals_full_autograd_after_the_mixers():
+    """Qwen3.6 detached: the parameters after the last mixer (final norm, output layer) do not
+    shape the prompt state, so their masked update equals full autograd's exactly."""
+    cfg, model = _build("qwen36")
+    trainable = {"decoder.final_norm.weight", "output_layer.weight"}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
+    group = _group(cfg.vocab_size, 64)
+    worst = _worst(_longstraw(model, group, "detached", response_block=8),
+                   _reference(model, group))
+    print(f"qwen36 masked, detached (post-mixer parameters) vs full autograd {worst:.2e}")
+    assert worst <= 1e-9
+
+
 def test_masked_update_under_cp_equals_full_autograd_of_the_masked_loss(tmp_path):
-    """Real gloo ranks, CP 2 (GLM-5.2 x EP 2, its 17-token member in blocks of 8; Qwen3.6):
-    each rank's share of the masked loss, finalized, equals full autograd on one process."""
+    """Real gloo ranks, CP 2 (x EP 2 for the MoE families; blocks of 8, so the 17-token member
+    runs in 3 blocks): each rank's share of the masked loss, finalized, equals full autograd on
+    one process: exact for the three families, detached for GLM-5.2 against the detached-prompt
+    reference."""
     import dist_workers
     from distributed import run_ranks
 
-    cases, references, jobs = [("glm52", 2, 2, 160), ("qwen36", 2, 1, 64)], [], []
-    for family, cp, ep, prompt_len in cases:
+    cases = [("glm52", 2, 2, 160, "exact"), ("qwen36", 2, 1, 64, "exact"),
+             ("deepseekv3", 2, 2, 64, "exact"), ("glm52", 2, 2, 160, "detached")]
+    references, jobs = [], []
+    for family, cp, ep, prompt_len, mode in cases:
         cfg, model = _build(family)
         path = tmp_path / f"{family}.pt"
         torch.save({k: v.clone() for k, v in model.state_dict().items()
                     if not k.endswith("_extra_state")}, path)
-        references.append(_reference(model, _group(cfg.vocab_size, prompt_len)))
+        references.append(_reference(model, _group(cfg.vocab_size, prompt_len),
+                                     detach_prompt_state=mode == "detached"))
         jobs.append((family, cp, ep, str(path), prompt_len))
     outs = run_ranks(dist_workers.exact_gradient_worker, 2, cases=jobs, lens=LENS,
-                     loss_masks=MASKS, settings={"response_block": 8})
-    for case, (family, cp, ep, _), reference in zip(range(len(cases)), cases, references):
+                     loss_masks=MASKS, settings=[{"response_block": 8, "prompt_grad": mode}
+                                                 for *_, mode in cases])
+    for case, (family, cp, ep, _, mode), reference in zip(range(len(cases)), cases, references):
         grads = [out[case] for out in outs]
         assert set().union(*grads) == set(reference)
         worst = max(float((g[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-300))
                     for g in grads for n in g)
-        print(f"{family} CP{cp}/EP{ep} masked: exact vs full autograd {worst:.2e}")
-        assert worst <= 1e-9, (family, worst)
+        print(f"{family} CP{cp}/EP{ep} masked, {mode}: vs full autograd {worst:.2e}")
+        assert worst <= 1e-9, (family, mode, worst)
