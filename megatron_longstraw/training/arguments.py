@@ -22,8 +22,9 @@ from megatron_longstraw.state.attention_pass import PromptGrad
 from megatron_longstraw.runtime.errors import ConfigError, FlagError, InputNotFound
 from megatron_longstraw.models.registry import FAMILIES
 from megatron_longstraw.kernels.select import KernelChoices
-from megatron_longstraw.config.loss import LOSS_AGGREGATIONS, TIS_MODES
+from megatron_longstraw.config.loss import TIS_MODES
 from megatron_longstraw.state.pages import PAGE_FORMATS
+from megatron_longstraw.training.rl_arguments import RL_FLAG_TO_FIELD, add_rl_args
 
 # Backend names; membership also accepts per-part specs ("sparse_mla=triton,indexer=ref"); see
 # kernels/select.py.
@@ -211,7 +212,7 @@ def add_longstraw_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser = _add_memory_args(parser)
     parser = _add_data_args(parser)
     parser = _add_lora_args(parser)
-    parser = _add_rl_args(parser)
+    parser = add_rl_args(parser)
     return parser
 
 
@@ -331,77 +332,7 @@ _FLAG_TO_FIELD = {
 }
 
 
-# ---- loss options, guards, dynamic sampling, environments (YAML keys: _RL_FLAG_TO_FIELD's) -----
-
-
-def _add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group(
-        "longstraw: loss options, guards, dynamic sampling (YAML `longstraw:` keys "
-        "loss_aggregation, loss_constant, dual_clip, log_ratio_clamp, kl_clamp, entropy_floor, "
-        "stop_after_no_signal, dynamic_sampling, dynamic_sampling_rounds, env, env_max_turns, "
-        "env_turn_tokens, env_timeout; docs/design.md section 2)")
-    group.add_argument("--longstraw-loss-aggregation", choices=LOSS_AGGREGATIONS, default=None,
-                       help="sequence_mean (default): each member's token mean, then the mean "
-                            "over the group; token_mean (DAPO): the mean over all the group's "
-                            "tokens; constant (Dr. GRPO): each member's token sum / C "
-                            "(--longstraw-loss-constant), then the mean over the group.")
-    group.add_argument("--longstraw-loss-constant", type=int, default=None, metavar="C",
-                       help="C of --longstraw-loss-aggregation constant, in tokens (default: "
-                            "--longstraw-max-new-tokens, else --longstraw-max-response-len).")
-    group.add_argument("--longstraw-dual-clip", type=float, nargs="?", const=3.0, default=None,
-                       metavar="C", help="Dual clip for negative advantages: a token's policy "
-                                         "loss is at most C |A| (C > 1; the flag alone: 3).")
-    group.add_argument("--longstraw-log-ratio-clamp", type=float, default=None, metavar="D",
-                       help="Clamp logp - logp_old to [-D, D] before the exp of the PPO ratio "
-                            "(default: off).")
-    group.add_argument("--longstraw-kl-clamp", type=float, default=None, metavar="K",
-                       help="Cap each token's k3 KL estimate at K (default: off).")
-    group.add_argument("--longstraw-entropy-floor", type=float, default=None, metavar="NATS",
-                       help="Warn once when the policy's mean entropy over a step's trained "
-                            "tokens falls below NATS (entropy collapse; default 0.01; 0: off).")
-    group.add_argument("--longstraw-stop-after-no-signal", type=int, default=None, metavar="N",
-                       help="Stop (saving with --save) after N consecutive steps in which every "
-                            "group's rewards were all equal (zero advantage; default 0: never).")
-    group.add_argument("--longstraw-dynamic-sampling", action=argparse.BooleanOptionalAction,
-                       default=None,
-                       help="Online (DAPO): drop generated groups whose rewards are all equal and "
-                            "generate more from the next prompts until the step's batch is full.")
-    group.add_argument("--longstraw-dynamic-sampling-rounds", type=int, default=None, metavar="N",
-                       help="The most extra generation rounds per step of dynamic sampling, each "
-                            "over the next --global-batch-size prompts (default 4); past it the "
-                            "batch is filled with dropped groups.")
-    group.add_argument("--longstraw-env", type=str, default=None, metavar="MODULE:FACTORY",
-                       help="Online: an environment per member, made by FACTORY(meta, prompt_ids, "
-                            "tokenizer) (rollout/env.py): multi-turn trajectories, the tool "
-                            "observations prefilled and masked out of the loss. Built-in "
-                            "example: megatron_longstraw.rollout.example_env:lookup.")
-    group.add_argument("--longstraw-env-max-turns", type=int, default=None, metavar="N",
-                       help="Environment calls per member (default 8).")
-    group.add_argument("--longstraw-env-turn-tokens", type=int, default=None, metavar="N",
-                       help="A turn also ends after N policy tokens (default 0: only at the "
-                            "environment's stop ids).")
-    group.add_argument("--longstraw-env-timeout", type=float, default=None, metavar="SECONDS",
-                       help="Seconds one environment call may take; past it the member ends "
-                            "with a record (default 30).")
-    return parser
-
-
-_RL_FLAG_TO_FIELD = {
-    "longstraw_env": "env",
-    "longstraw_env_max_turns": "env_max_turns",
-    "longstraw_env_turn_tokens": "env_turn_tokens",
-    "longstraw_env_timeout": "env_timeout",
-    "longstraw_loss_aggregation": "loss_aggregation",
-    "longstraw_loss_constant": "loss_constant",
-    "longstraw_dual_clip": "dual_clip",
-    "longstraw_log_ratio_clamp": "log_ratio_clamp",
-    "longstraw_kl_clamp": "kl_clamp",
-    "longstraw_entropy_floor": "entropy_floor",
-    "longstraw_stop_after_no_signal": "stop_after_no_signal",
-    "longstraw_dynamic_sampling": "dynamic_sampling",
-    "longstraw_dynamic_sampling_rounds": "dynamic_sampling_rounds",
-}
-_FLAG_TO_FIELD.update(_RL_FLAG_TO_FIELD)
+_FLAG_TO_FIELD.update(RL_FLAG_TO_FIELD)
 
 
 def load_yaml(path: str | None) -> dict:
