@@ -42,13 +42,16 @@ def _row_bytes(family, cfg) -> int:
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
-def _phases(model, vocab, prompt_len, members=2, prompt_grad="detached", device_copies=False):
+def _phases(model, vocab, prompt_len, members=2, prompt_grad="detached", device_copies=False,
+            response_len=16, response_block=None):
     gen = torch.Generator().manual_seed(3)
     group = GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
-                      response_ids=[torch.randint(0, vocab, (16,), generator=gen)
+                      response_ids=[torch.randint(0, vocab, (response_len,), generator=gen)
                                     for _ in range(members)],
                       rewards=torch.linspace(0, 1, members, dtype=torch.float64))
-    ls = LongStrawConfig(group_size=members, max_response_len=64, prompt_grad=prompt_grad, **BLOCKS)
+    blockwise = {} if response_block is None else {"response_block": response_block}
+    ls = LongStrawConfig(group_size=members, max_response_len=max(64, response_len),
+                         prompt_grad=prompt_grad, **BLOCKS, **blockwise)
     PageStore.device_copies = device_copies       # reads copy the pages, as to a device
     try:
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
@@ -261,20 +264,8 @@ R_LENGTHS = (32, 128)  # 2 and 8 blocks
 
 
 def _phases_at_response(model, vocab, response_len):
-    gen = torch.Generator().manual_seed(3)
-    group = GRPOGroup(prompt_ids=torch.randint(0, vocab, (P,), generator=gen),
-                      response_ids=[torch.randint(0, vocab, (response_len,), generator=gen)
-                                    for _ in range(2)],
-                      rewards=torch.linspace(0, 1, 2, dtype=torch.float64))
-    ls = LongStrawConfig(group_size=2, max_response_len=response_len, response_block=R_BLOCK,
-                         **BLOCKS)
-    PageStore.device_copies = True
-    try:
-        with LiveBytesMeter("cpu", exclude_host=True) as meter:
-            forward_backward_longstraw(model, group, ls)
-    finally:
-        PageStore.device_copies = False
-    return meter.own_peaks
+    return _phases(model, vocab, P, device_copies=True, response_len=response_len,
+                   response_block=R_BLOCK)
 
 
 def _planned_at_response(family, cfg, response_len) -> dict[str, float]:
