@@ -92,3 +92,49 @@ def test_torchrun_reports_the_user_error_as_the_root_cause(tmp_path, monkeypatch
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     report = ChildFailedError("examples/pretrain_gpt.py", {0: failure}).format_msg()
     assert "traceback : error: --optimizer sgd: not implemented." in report
+
+
+def test_a_converted_folder_or_checkpoint_supplies_the_model_config(tmp_path):
+    """Without --longstraw-config the launcher takes family and model config from the run's
+    starting point: a tools/convert_hf.py output (--pretrained-checkpoint or --load) or the latest
+    training checkpoint in --load; Megatron's model flags still win; another family is refused."""
+    import torch
+
+    from megatron_longstraw.checkpointing import checkpoint, model_format
+    from megatron_longstraw.models.qwen36.config import Qwen36Config
+    from megatron_longstraw.runtime.errors import FlagError
+    from megatron_longstraw.training import train
+
+    cfg = Qwen36Config.from_yaml(QWEN_TINY)
+    converted = tmp_path / "converted"
+    model_format.write_model(converted, {"w": torch.zeros(1)}, "qwen36", cfg.to_dict(),
+                             torch.float32, layout={})
+    for flags in (["--pretrained-checkpoint", str(converted)], ["--load", str(converted)]):
+        args, given = train.parse(["--longstraw", *flags])
+        family, model_cfg, _, _ = train.resolve(args, given)
+        assert family == "qwen36" and model_cfg == cfg
+        assert args.longstraw_model_source == str(converted / model_format.MODEL_META)
+    args, given = train.parse(["--longstraw", "--pretrained-checkpoint", str(converted),
+                               "--hidden-size", "96"])
+    assert train.resolve(args, given)[1].hidden_size == 96          # a typed flag wins
+    args, given = train.parse(["--longstraw", "--pretrained-checkpoint", str(converted),
+                               "--longstraw-family", "glm52"])
+    with pytest.raises(FlagError, match=r"--longstraw-family glm52: .* holds a 'qwen36' model"):
+        train.resolve(args, given)
+    # A folder of the run's checkpoints (resume): the latest one's meta.json.
+    step = tmp_path / "ckpt" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / checkpoint.TRAIN_META).write_text(json.dumps({
+        "format": checkpoint.TRAIN_FORMAT, "format_version": 1, "family": "qwen36",
+        "model": {**cfg.to_dict(), "hidden_size": 128}}))
+    (tmp_path / "ckpt" / checkpoint.LATEST).write_text("step_00000003\n")
+    args, given = train.parse(["--longstraw", "--load", str(tmp_path / "ckpt")])
+    family, model_cfg, _, _ = train.resolve(args, given)
+    assert family == "qwen36" and model_cfg.hidden_size == 128
+    # A YAML, when given, is the model config; nothing given names none.
+    args, given = train.parse(["--longstraw", "--load", str(tmp_path / "ckpt"),
+                               "--longstraw-config", QWEN_TINY])
+    assert train.resolve(args, given)[1].hidden_size == 64 and not args.longstraw_model_source
+    args, given = train.parse(["--longstraw"])
+    with pytest.raises(FlagError, match="a tools/convert_hf.py output as --pretrained-checkpoint"):
+        train.resolve(args, given)

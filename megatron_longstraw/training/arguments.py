@@ -567,12 +567,14 @@ def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
 
 
 def model_config_values(args: argparse.Namespace, given: set[str],
-                        from_megatron: dict[str, tuple[str, Callable]]) -> dict:
-    """The YAML `model:` section, overridden by the Megatron model flags that were given;
+                        from_megatron: dict[str, tuple[str, Callable]],
+                        base: dict | None = None) -> dict:
+    """The YAML `model:` section (or `base`, the model config a converted folder or checkpoint
+    records, when there is no YAML), overridden by the Megatron model flags that were given;
     `from_megatron` maps a flag's dest to (config field, conversion): the family record's
     (models/<family>/family.py; a Megatron default never overrides the YAML, only a flag on the
     command line)."""
-    values = dict(load_yaml(args.longstraw_config).get("model", {}))
+    values = dict(base if base is not None else load_yaml(args.longstraw_config).get("model", {}))
     for flag, (field, convert) in from_megatron.items():
         if flag in given and getattr(args, flag, None) is not None:
             values[field] = convert(getattr(args, flag))
