@@ -138,3 +138,30 @@ def test_a_converted_folder_or_checkpoint_supplies_the_model_config(tmp_path):
     args, given = train.parse(["--longstraw"])
     with pytest.raises(FlagError, match="a tools/convert_hf.py output as --pretrained-checkpoint"):
         train.resolve(args, given)
+
+
+def test_score_reads_family_and_config_from_a_training_checkpoint(tmp_path):
+    """tools/score.py --checkpoint of a training checkpoint (a step_N folder, or the --save folder:
+    its latest) needs no --family / --config: its meta.json records them. (tests/test_walkthrough.py
+    scores a real one this way; tests/test_score.py the model-format directory.)"""
+    from megatron_longstraw.checkpointing import checkpoint
+    from megatron_longstraw.checkpointing.model_source import resolve_model_source
+    from megatron_longstraw.models.qwen36.config import Qwen36Config
+    from megatron_longstraw.runtime.errors import CheckpointError, ConfigError
+
+    model = Qwen36Config.from_yaml(QWEN_TINY).to_dict()
+    step = tmp_path / "ckpt" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / checkpoint.TRAIN_META).write_text(json.dumps({
+        "format": checkpoint.TRAIN_FORMAT, "format_version": 1, "family": "qwen36",
+        "model": model}))
+    for path in (tmp_path / "ckpt", step):
+        assert resolve_model_source(None, None, str(path)) == ("qwen36", model)
+    assert resolve_model_source(None, QWEN_TINY, str(step)) == ("qwen36", QWEN_TINY)
+    with pytest.raises(CheckpointError, match="holds a 'qwen36' model, not --family glm52"):
+        resolve_model_source("glm52", None, str(step))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--family and --config needed: --checkpoint .*empty is "
+                                          r"neither a model-format directory"):
+        resolve_model_source(None, None, str(tmp_path / "empty"))
+
