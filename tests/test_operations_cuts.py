@@ -165,3 +165,28 @@ def test_score_reads_family_and_config_from_a_training_checkpoint(tmp_path):
                                           r"neither a model-format directory"):
         resolve_model_source(None, None, str(tmp_path / "empty"))
 
+
+def test_the_on_policy_zero_loss_is_explained_once():
+    """The first step line whose loss is the on-policy surrogate's zero (ratio 1, advantages of
+    zero mean) says why, once; a nonzero loss or an off-policy ratio says nothing."""
+    from types import SimpleNamespace
+
+    from megatron_longstraw.training.metrics import ZERO_LOSS_NOTE, StepLogger
+
+    def result(loss, ratio=1.0):
+        stats = {"reward_mean": 0.5, "reward_group_std": 0.5, "clip_frac": 0.0,
+                 "ratio_mean": ratio, "kl": 0.0, "grad_norm": 1.0}
+        return SimpleNamespace(stats=stats, loss=loss, page_bytes=0, page_bytes_by_kind={},
+                               phase_seconds={"capture": 0.0, "scoring": 0.0, "replay": 0.0})
+
+    logger = StepLogger(None, enabled=False)
+    assert ZERO_LOSS_NOTE not in logger.log(0, result(0.03), {})      # e.g. token_mean
+    assert ZERO_LOSS_NOTE not in logger.log(1, result(2e-9, ratio=1.02), {})
+    line = logger.log(2, result(-3e-9), {})
+    assert f"| loss -0.000000 {ZERO_LOSS_NOTE} | reward" in line
+    assert "gradient is not" in ZERO_LOSS_NOTE
+    assert ZERO_LOSS_NOTE not in logger.log(3, result(0.0), {})       # once
+    # The prompt backward's time follows replay's when the step ran one (exact mode).
+    exact = result(0.1)
+    exact.phase_seconds["prompt_backward"] = 2.25
+    assert "replay 0.0s prompt-backward 2.2s | pages" in logger.log(4, exact, {})
