@@ -115,8 +115,9 @@ class StepLogger:
                 f" | clip {result.stats['clip_frac']:.3f}"
                 f" | ratio {result.stats['ratio_mean']:.4f} | kl {result.stats['kl']:.2e}"
                 f" | grad {result.stats.get('grad_norm', float('nan')):.3e}"
-                f" | capture {result.phase_seconds['capture']:.1f}s scoring "
-                f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s")
+                f" | capture {result.phase_seconds['capture']:.1f}s"
+                f" scoring {result.phase_seconds['scoring']:.1f}s"
+                f" replay {result.phase_seconds['replay']:.1f}s")
         if "prompt_backward" in result.phase_seconds:   # --longstraw-prompt-grad exact
             line += f" prompt-backward {result.phase_seconds['prompt_backward']:.1f}s"
         line += f" | pages {human_bytes(result.page_bytes)}"
