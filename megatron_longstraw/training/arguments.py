@@ -71,7 +71,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="offline (default): train on the groups of --longstraw-data; online: "
                             "--longstraw-data holds prompts, each step generates the group's "
                             "responses from its own capture and rewards them with "
-                            "--longstraw-reward (README \"The online loop\").")
+                            "--longstraw-reward (docs/usage.md \"Generation and the online "
+                            "loop\").")
     group.add_argument("--longstraw-max-new-tokens", type=int, default=None,
                        help="Online: most tokens per generated response (default: "
                             "--longstraw-max-response-len).")
@@ -89,7 +90,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--longstraw-reward", type=str, default=None, metavar="MODULE:FUNCTION",
                        help="Reward function fn(prompt_ids, response_ids, response_text, meta) "
                             "-> float for records without 'rewards' (built-ins: "
-                            "longstraw:exact_match, longstraw:marker_majority; README "
+                            "longstraw:exact_match, longstraw:marker_majority; docs/usage.md "
                             "\"Rewards\").")
     return parser
 
