@@ -68,7 +68,7 @@ demo-qwen36: $(VENV)/.installed
 	$(PY) tools/compare_receipts.py runs/demo-qwen36-half runs/demo-qwen36 \
 		--expect-constant gdn_state conv_tail
 
-# A run that learns, with a control (tools/demo_rl.py, README "A run that learns"): online GRPO on
+# A run that learns, with a control (tools/demo_rl.py, docs/benchmarks.md "A run that learns"): online GRPO on
 # the marker task at P = 4096, G = 8, tiny Qwen3.6; 3 seeds, each a run and its control (prompt
 # state zeroed), two processes at a time. Receipt and PNG in runs/demo-rl/; exit 1 unless every
 # run learns and no control does.
@@ -78,11 +78,11 @@ demo-rl: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings --durations=25 tests
 
-# The measured largest-P table (README "Benchmark"): LongStraw at P = 4K..128K and conventional GRPO
+# The measured largest-P table (docs/benchmarks.md): LongStraw at P = 4K..128K and conventional GRPO
 # until it passes a 2.5 GiB RSS cap, one process each, bench-size GLM-5.2 (examples/glm52/bench.yaml),
 # plus capture against a no-grad forward at 4K and 32K (3 pairs each, median); runs/bench/bench-sweep.{md,json}.
 # About an hour, one point at a time (LongStraw at 128K and conventional at 32K and 64K take most).
-# Then the measured largest-R table (README "Benchmark"): P = 4096, G = 2, LongStraw blockwise
+# Then the measured largest-R table (docs/benchmarks.md): P = 4096, G = 2, LongStraw blockwise
 # (response_block 2048) and conventional at R = 2K..16K, each until its first point over a 1.25 GiB
 # RSS cap, LongStraw's live bytes per phase from a second run with the meter; and blockwise
 # (R / 4 per block) against whole-branch replay seconds at R = 4K and 8K (3 pairs each, median);

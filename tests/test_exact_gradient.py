@@ -3,6 +3,8 @@ LongStraw equals plain autograd GRPO over the full [prompt; response] sequences,
 for the three families (fp64, CP 1). The reference is built without capture or replay
 (tests/helpers.full_sequence_logprobs), so it checks the path, not the path against itself."""
 
+import re
+
 import pytest
 import torch
 
@@ -150,7 +152,7 @@ def test_the_prompt_gradient_mode_is_read_as_the_enum_and_written_as_its_string(
     assert f"{cfg.prompt_grad}" == str(cfg.prompt_grad) == "exact"
 
 
-def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path):
+def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path, capsys):
     from pathlib import Path
 
     from megatron_longstraw.training import train
@@ -164,5 +166,11 @@ def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_pat
     receipt = train.main(flags)
     assert receipt["phase_seconds"]["prompt_backward"] > 0
     assert receipt["peak_live_bytes"]["prompt_backward"] > 0
+    # Its time is in the step line (after replay's) and in the summary table.
+    out = capsys.readouterr().out
+    seconds = receipt["phase_seconds"]["prompt_backward"]
+    assert re.search(rf"replay \d+\.\ds prompt-backward {seconds:.1f}s \| pages", out), out
+    assert re.search(rf"\n  replay\+backward +\d+\.\d s\n  prompt backward +{seconds:.1f} s\n",
+                     out), out
     with pytest.raises((ValueError, ConfigError), match="recomputes the prompt's forward"):
         train.main(flags + ["--longstraw-lora", "--longstraw-lora-dropout", "0.1"])

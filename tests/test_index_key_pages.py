@@ -223,7 +223,7 @@ def _recall(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-# Measured (bf16; README "Index-key pages"): per-layer mean recall 0.936-0.981 over six seeds of
+# Measured (bf16; docs/usage.md "Conventions worth knowing", index-key pages): per-layer mean recall 0.936-0.981 over six seeds of
 # the tiny model (k = 16 of 256 keys) and 0.959-0.982 over two seeds of the wide one (k = 128 of
 # 2048; 0.957-0.978 at P = 4097); the first full indexer layer of capture, where queries and keys
 # differ only by the page format, 0.977-0.982. Each later layer also sees the earlier layers'

@@ -1,6 +1,6 @@
 """A run that learns, with a control: `make demo-rl`.
 
-    python tools/demo_rl.py --out runs/demo-rl            (the defaults are the README's demo)
+    python tools/demo_rl.py --out runs/demo-rl            (the defaults are docs/benchmarks.md's demo)
 
 The task (rewards.make_marker_task): each prompt is `--prompt-len` tokens of filler with a few
 marker tokens scattered through its first half only; one marker occurs more often than the others,
@@ -120,7 +120,7 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
 
 
 def table(receipt: dict) -> str:
-    """The markdown table of the README."""
+    """The markdown table of docs/benchmarks.md ("A run that learns")."""
     rows = ["| seed | run start | run end | control start | control end |",
             "|---:|---:|---:|---:|---:|"]
     for s in receipt["seeds"]:

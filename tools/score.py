@@ -4,12 +4,14 @@
         --input groups.jsonl --out scores.jsonl [--tokenizer PATH] [--dtype fp32|fp64]
     python tools/score.py --family qwen36 --config examples/qwen36/tiny.yaml --checkpoint DIR ...
     python tools/score.py --checkpoint CONVERTED --input groups.jsonl --out scores.jsonl
+    python tools/score.py --checkpoint runs/ckpt --input groups.jsonl --out scores.jsonl  # its latest
     torchrun --nproc-per-node 2 tools/score.py ... --context-parallel-size 2     # GLM: CP = EP = 2
 
 A model-format directory (tools/convert_hf.py's output, megatron_longstraw/checkpointing/model_format.py) carries
-its family and model config in longstraw.json: `--family` and `--config` may then be left out (the
-step settings, block sizes and kernels, are then LongStrawConfig's defaults); given, they must
-match it. A bare checkpoint (a folder with model.safetensors only) and `--random-init` need both.
+its family and model config in longstraw.json, a training checkpoint (a step_N folder or a --save
+folder) in meta.json: `--family` and `--config` may then be left out (the step settings, block
+sizes and kernels, are then LongStrawConfig's defaults); given, they must match it. A bare
+checkpoint (a folder with model.safetensors only) and `--random-init` need both.
 
 The model families are the launcher's (megatron_longstraw/models/registry.py: config class, builder,
 expert-parallel limit). GLM-5.2 folds EP on the CP ranks (EP = CP); Qwen3.6 has no experts (EP 1).
@@ -52,12 +54,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="Model family (megatron_longstraw/models/registry.py); default: the "
-                        "--checkpoint model-format directory's.")
+                   help="Model family (megatron_longstraw/models/registry.py); default: what "
+                        "the --checkpoint records (a model-format directory or a training "
+                        "checkpoint).")
     p.add_argument("--config", default=None,
-                   help="Model YAML (`model:` and `longstraw:`); default: the model config in the "
-                        "--checkpoint model-format directory's longstraw.json (step settings: "
-                        "the defaults).")
+                   help="Model YAML (`model:` and `longstraw:`); default: the model config the "
+                        "--checkpoint records (longstraw.json of a model-format directory, "
+                        "meta.json of a training checkpoint; step settings: the defaults).")
     weights = p.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint", help="Checkpoint directory with model.safetensors, a "
                          "model-format directory, or a full-parameter training checkpoint (a "

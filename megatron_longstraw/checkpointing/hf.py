@@ -290,3 +290,23 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"tensors": len(plan), "shards": len(shards), "bytes": total}
+
+
+def write_random_hf(family: Family, config, out: Path, seed: int = 0) -> dict:
+    """A Hugging Face checkpoint of `family` with random weights (transformers' own initialisation,
+    seeded), written by `save_pretrained` into `out` (which must not exist or be empty): what
+    tools/tiny_hf.py gives the README's walkthrough in place of a download. `config` is the
+    family's model config (object or dict). Returns a summary for the tool's line."""
+    import transformers
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"{out} exists and is not empty; choose a new directory.")
+    if isinstance(config, dict):
+        config = family.config_class.from_dict(config)
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.hf.hf_model_class)(family.hf.hf_config(config)).float()
+    model.save_pretrained(out)
+    return {"model": family.hf.hf_model_class, "parameters": f"{model.num_parameters():,}",
+            "dtype": "float32", "seed": seed}
+

@@ -4,9 +4,9 @@ longstraw.json), the model built by the family's registry record (`build_model`)
 (`load_weights`: a model-format directory, a full-parameter training checkpoint of any CP/EP
 layout, or a bare checkpoint, a folder with model.safetensors only).
 
-A model-format directory (tools/convert_hf.py's output, model_format.py) carries its family and
-model config: the family and config may then be left out; given, they must match it. A bare
-checkpoint and random initialisation need both.
+A model-format directory (tools/convert_hf.py's output, model_format.py) and a training checkpoint
+(its meta.json) carry their family and model config: the family and config may then be left out;
+given, they must match it. A bare checkpoint and random initialisation need both.
 """
 
 from __future__ import annotations
@@ -114,24 +114,34 @@ def _load_training_checkpoint(model, found: Path, num_experts: int) -> Path:
 
 def resolve_model_source(family: str | None, config: str | None,
                          checkpoint: str | None) -> tuple[str, str | dict]:
-    """(family, model config: the `config` YAML path or longstraw.json's "model" dict) from the
+    """(family, model config: the `config` YAML path or the recorded "model" dict) from the
     `--family`, `--config` and `--checkpoint` flags (None: not given; no checkpoint: random
-    initialisation) and, where they are left out, the checkpoint's model-format directory."""
+    initialisation) and, where they are left out, what the checkpoint records: a model-format
+    directory's longstraw.json, or a training checkpoint's meta.json (a step_N folder, or a
+    --save folder: its latest)."""
     from megatron_longstraw.checkpointing import model_format
     from megatron_longstraw.runtime.errors import CheckpointError, ConfigError
 
-    meta = None
+    meta, meta_file = None, None
     if checkpoint and model_format.is_model_format(checkpoint):
-        meta = model_format.read_meta(Path(checkpoint) / model_format.MODEL_META,
-                                      model_format.MODEL_FORMAT)
+        meta_file = Path(checkpoint) / model_format.MODEL_META
+        meta = model_format.read_meta(meta_file, model_format.MODEL_FORMAT)
+    elif checkpoint and Path(checkpoint).is_dir() and (family is None or config is None):
+        from megatron_longstraw.checkpointing import checkpoint as training
+        from megatron_longstraw.checkpointing.export import resolve_training_checkpoint
+
+        if (found := resolve_training_checkpoint(checkpoint)) is not None:
+            meta_file = found / training.TRAIN_META   # the launcher records family and model
+            meta = training.read_checkpoint_meta(found)
     if meta is None and (family is None or config is None):
         missing = " and ".join(f for f, v in (("--family", family),
                                               ("--config", config)) if v is None)
         source = ("--random-init" if not checkpoint else
-                  f"--checkpoint {checkpoint} is not a model-format directory (no "
-                  f"{model_format.MODEL_META})")
+                  f"--checkpoint {checkpoint} is neither a model-format directory (no "
+                  f"{model_format.MODEL_META}) nor a training checkpoint")
         raise ConfigError(f"{missing} needed: {source}, so nothing says which model to build; "
-                          "pass them, or a tools/convert_hf.py output as --checkpoint.")
+                          "pass them, or a tools/convert_hf.py output or a training checkpoint "
+                          "as --checkpoint.")
     family = family or meta.get("family")
     if meta is not None and meta.get("family") != family:
         raise CheckpointError(f"--checkpoint {checkpoint} holds a {meta.get('family')!r} "
@@ -142,6 +152,5 @@ def resolve_model_source(family: str | None, config: str | None,
     if config is not None:
         return family, config
     if not isinstance(meta.get("model"), dict):
-        raise CheckpointError(f"{Path(checkpoint) / model_format.MODEL_META}: no \"model\" "
-                              "config; pass --config.")
+        raise CheckpointError(f"{meta_file}: no \"model\" config; pass --config.")
     return family, meta["model"]

@@ -72,7 +72,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="offline (default): train on the groups of --longstraw-data; online: "
                             "--longstraw-data holds prompts, each step generates the group's "
                             "responses from its own capture and rewards them with "
-                            "--longstraw-reward (README \"The online loop\").")
+                            "--longstraw-reward (docs/usage.md \"Generation and the online "
+                            "loop\").")
     group.add_argument("--longstraw-max-new-tokens", type=int, default=None,
                        help="Online: most tokens per generated response (default: "
                             "--longstraw-max-response-len).")
@@ -90,7 +91,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--longstraw-reward", type=str, default=None, metavar="MODULE:FUNCTION",
                        help="Reward function fn(prompt_ids, response_ids, response_text, meta) "
                             "-> float for records without 'rewards' (built-ins: "
-                            "longstraw:exact_match, longstraw:marker_majority; README "
+                            "longstraw:exact_match, longstraw:marker_majority; docs/usage.md "
                             "\"Rewards\").")
     return parser
 
@@ -515,12 +516,14 @@ def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
 
 
 def model_config_values(args: argparse.Namespace, given: set[str],
-                        from_megatron: dict[str, tuple[str, Callable]]) -> dict:
-    """The YAML `model:` section, overridden by the Megatron model flags that were given;
+                        from_megatron: dict[str, tuple[str, Callable]],
+                        base: dict | None = None) -> dict:
+    """The YAML `model:` section (or `base`, the model config a converted folder or checkpoint
+    records, when there is no YAML), overridden by the Megatron model flags that were given;
     `from_megatron` maps a flag's dest to (config field, conversion): the family record's
     (models/<family>/family.py; a Megatron default never overrides the YAML, only a flag on the
     command line)."""
-    values = dict(load_yaml(args.longstraw_config).get("model", {}))
+    values = dict(base if base is not None else load_yaml(args.longstraw_config).get("model", {}))
     for flag, (field, convert) in from_megatron.items():
         if flag in given and getattr(args, flag, None) is not None:
             values[field] = convert(getattr(args, flag))

@@ -53,19 +53,50 @@ def resolve(args, given: set[str]):
     parallel.check_model_parallel_sizes(args.tensor_model_parallel_size,
                                         args.pipeline_model_parallel_size,
                                         args.expert_tensor_parallel_size)
-    if "longstraw_family" not in given and args.longstraw_config:   # the YAML's model fields say
+    saved = None if args.longstraw_config else saved_model(args)
+    args.longstraw_model_source = str(saved[0]) if saved else None   # model_setup says so
+    if saved is not None:   # a converted folder or the run's checkpoint names family and model
+        if "longstraw_family" in given and args.longstraw_family != saved[1]:
+            raise FlagError(f"--longstraw-family {args.longstraw_family}: {saved[0]} holds a "
+                            f"{saved[1]!r} model.")
+        args.longstraw_family = saved[1]
+    elif "longstraw_family" not in given and args.longstraw_config:   # the YAML's model fields
         args.longstraw_family = family_of_config(
             arguments.load_yaml(args.longstraw_config).get("model") or {}) or args.longstraw_family
     family = get_family(args.longstraw_family)
     check_parallel_sizes(family, args.expert_model_parallel_size)
     ls = longstraw_config_from_args(args)
-    values = model_config_values(args, given, family.from_megatron)
+    values = model_config_values(args, given, family.from_megatron,
+                                 base=saved[2] if saved else None)
     if not values:
         raise FlagError(f"No model configuration: pass --longstraw-config {family.tiny_config} "
-                        "(or full.yaml beside it) and/or Megatron's model flags.")
+                        "(or full.yaml beside it) and/or Megatron's model flags, or a "
+                        "tools/convert_hf.py output as --pretrained-checkpoint (its model config "
+                        "is used).")
     model_cfg = family.config_class.from_dict(values)
     dtype_name = args.longstraw_dtype or ("bf16" if args.bf16 else "fp32")
     return family.name, model_cfg, ls, DTYPES[dtype_name]
+
+
+def saved_model(args) -> tuple[Path, str, dict] | None:
+    """(file, family, model config) that the run's starting point records, for a run without
+    --longstraw-config: --pretrained-checkpoint or --load as a model-format directory
+    (tools/convert_hf.py's longstraw.json), else the latest training checkpoint in --load (its
+    meta.json). None when neither names one, or it records no model config."""
+    from megatron_longstraw.checkpointing import checkpoint, model_format
+
+    found = None
+    for path in (args.pretrained_checkpoint, args.load):
+        if path and model_format.is_model_format(path):
+            file = Path(path) / model_format.MODEL_META
+            found = file, model_format.read_meta(file, model_format.MODEL_FORMAT)
+            break
+    if found is None and args.load and Path(args.load).is_dir() and (
+            latest := checkpoint.latest_checkpoint(args.load)) is not None:
+        found = latest / checkpoint.TRAIN_META, checkpoint.read_checkpoint_meta(latest)
+    if found is None or not found[1].get("family") or not isinstance(found[1].get("model"), dict):
+        return None
+    return found[0], found[1]["family"], found[1]["model"]
 
 
 def resolve_lora(args, family: str, ls):

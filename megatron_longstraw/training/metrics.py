@@ -71,12 +71,27 @@ class ProgressBar:
         self.stream.flush()
 
 
+ZERO_LOSS_NOTE = "(on-policy: the loss value is 0 by construction, its gradient is not)"
+"""Printed once, after the first step line's loss that is zero for this reason."""
+
+
+def on_policy_zero_loss(result) -> bool:
+    """Whether the step's printed loss is the on-policy GRPO surrogate's zero: with the ratio at 1
+    (replay's log-probs equal scoring's) the policy term of a member is -A_i times its token mean
+    of 1, and the advantages of a group sum to zero, so the value is -mean(A) = 0 while the
+    gradient, -mean(A_i * grad log p), is not. (token_mean / constant aggregation, engine
+    importance weights or a KL term make the value nonzero; then nothing needs saying.)"""
+    ratio = result.stats.get("ratio_mean", float("nan"))
+    return abs(float(result.loss)) < 1e-6 and abs(ratio - 1.0) < 1e-4
+
+
 class StepLogger:
     """Scalars per step to TensorBoard (when a directory is given) and a summary line to stdout."""
 
     def __init__(self, tensorboard_dir: str | None, enabled: bool):
         self.enabled = enabled
         self.writer = None
+        self.explained_zero_loss = False   # `log` says why once
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -100,9 +115,15 @@ class StepLogger:
                 f" | clip {result.stats['clip_frac']:.3f}"
                 f" | ratio {result.stats['ratio_mean']:.4f} | kl {result.stats['kl']:.2e}"
                 f" | grad {result.stats.get('grad_norm', float('nan')):.3e}"
-                f" | capture {result.phase_seconds['capture']:.1f}s scoring "
-                f"{result.phase_seconds['scoring']:.1f}s replay {result.phase_seconds['replay']:.1f}s"
-                f" | pages {human_bytes(result.page_bytes)}")
+                f" | capture {result.phase_seconds['capture']:.1f}s"
+                f" scoring {result.phase_seconds['scoring']:.1f}s"
+                f" replay {result.phase_seconds['replay']:.1f}s")
+        if "prompt_backward" in result.phase_seconds:   # --longstraw-prompt-grad exact
+            line += f" prompt-backward {result.phase_seconds['prompt_backward']:.1f}s"
+        line += f" | pages {human_bytes(result.page_bytes)}"
+        if not self.explained_zero_loss and on_policy_zero_loss(result):
+            self.explained_zero_loss = True
+            line = line.replace(" | reward", f" {ZERO_LOSS_NOTE} | reward", 1)
         if "zero_advantage_frac" in result.stats:   # guards.py reads these two
             line += f" | zero-adv groups {result.stats['zero_advantage_frac']:.2f}"
         if "entropy" in result.stats:

@@ -127,6 +127,9 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
                                       "which is no longer a model-format directory; pass the same "
                                       "weights with --pretrained-checkpoint DIR.")
     messages = []
+    if getattr(args, "longstraw_model_source", None):   # command_line.saved_model
+        messages.append(f"model config from {args.longstraw_model_source} (no --longstraw-config;"
+                        " step settings: the --longstraw-* flags and their defaults)")
     fp8_sources = {} if lora is not None and lora.fp8_base else None
     # A resumed full-parameter run takes every weight from its checkpoint; a LoRA run needs its
     # base first (the checkpoint holds only the adapters).

@@ -263,4 +263,6 @@ def step_summary(receipt: dict, *, model: str, lora, backend: str, path: Path) -
         ("grad norm", f"{receipt['stats']['grad_norm']:.4f}"),
         ("receipt", str(path)),
     ]
+    if "prompt_backward" in phase:   # --longstraw-prompt-grad exact: after replay
+        rows.insert(7, ("prompt backward", f"{phase['prompt_backward']:.1f} s"))
     return "LongStraw GRPO step\n" + format_table(rows)
