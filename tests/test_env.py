@@ -195,3 +195,29 @@ def test_an_environment_factory_that_fails_names_the_record(tmp_path):
     with pytest.raises(UserError, match=r"agent.jsonl line \d \(id 'agent-\d'\): the environment "
                                         r"factory .*lookup raised ValueError: .*answer_turn=0"):
         train.main(_agent_flags(tmp_path, "factory", data))
+
+
+def test_the_readme_agents_command_runs(tmp_path):
+    """The README's "Agents" command as written (its output folder moved to a temporary one):
+    it trains, and every step line reports the members' turns."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    start = readme.index("## Agents")
+    section = readme[start:readme.index("\n## ", start + 3)]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    script = block.replace("--longstraw-out-dir runs", f"--longstraw-out-dir {tmp_path}")
+    assert script != block
+    env = {"PATH": f"{root / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
+           "PYTHONWARNINGS": "ignore", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+    out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    steps = re.findall(r"^step\s+\d+ \|.*\| turns (\d\.\d)", out.stdout, flags=re.M)
+    assert steps == ["3.0", "3.0"], out.stdout[-2000:]
+    assert (tmp_path / "agent" / "receipt.json").is_file()

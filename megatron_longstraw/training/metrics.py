@@ -128,6 +128,11 @@ class StepLogger:
             line += f" | zero-adv groups {result.stats['zero_advantage_frac']:.2f}"
         if "entropy" in result.stats:
             line += f" | entropy {result.stats['entropy']:.3f}"
+        if "env/turns_mean" in extra:   # environments (rollout/env.py): per member, this rank
+            line += (f" | turns {extra['env/turns_mean']:.1f} (observation tokens "
+                     f"{extra['env/observation_tokens_mean']:.1f})")
+            if extra["env/errors"]:
+                line += f" env errors {int(extra['env/errors'])}"
         if "mismatch_abs_mean" in result.stats:   # the engine's log-probs (offpolicy.py)
             line += (f" | mismatch |d| {result.stats['mismatch_abs_mean']:.2e} max "
                      f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")
