@@ -221,3 +221,29 @@ def test_the_readme_agents_command_runs(tmp_path):
     steps = re.findall(r"^step\s+\d+ \|.*\| turns (\d\.\d)", out.stdout, flags=re.M)
     assert steps == ["3.0", "3.0"], out.stdout[-2000:]
     assert (tmp_path / "agent" / "receipt.json").is_file()
+
+
+def test_an_environment_that_raises_ends_its_members_not_the_run(tmp_path, monkeypatch):
+    """Through the launcher: an environment whose tool call raises ends each member with the
+    error in the history (env/errors, the member's end), and the run trains on."""
+    from megatron_longstraw.training import train
+
+    (tmp_path / "broken_env.py").write_text(
+        "from megatron_longstraw.rollout.env import EnvStep\n"
+        "class Broken:\n"
+        "    stop_ids = ()\n"
+        "    def step(self, turn_ids):\n"
+        "        raise RuntimeError('the tool is down')\n"
+        "def make(meta, prompt_ids, tokenizer):\n"
+        "    return Broken()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = _agent_flags(tmp_path, "broken", _agent_prompts(tmp_path), "--longstraw-reward",
+                         "longstraw:exact_match")
+    flags[flags.index("--longstraw-env") + 1] = "broken_env:make"
+    receipt = train.main(flags)
+    for h in receipt["history"]:
+        assert h["env/errors"] == 2.0 and h["env/turns_mean"] == 0.0
+        for member in (m for group in h["env_trajectories"] for m in group):
+            assert member["end"] == "env error: env.step raised RuntimeError: the tool is down"
+            assert member["tokens"] == member["trained_tokens"] == 3
+            assert member["reward_from"] == "reward function"
