@@ -82,3 +82,40 @@ def test_the_tool_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert saved["passed"] == receipt["passed"]
     assert (tmp_path / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "seed7-control" / "receipt.json").exists()
+
+
+def test_the_suite_s_tasks_reach_the_launcher_with_their_reward(tmp_path):
+    """--task picks the prompts' generator and the reward; --dynamic-sampling and
+    --loss-aggregation pass through; the 64-token model's prompts hold the cue and 4 markers."""
+    args = demo_rl.parse_args(["--task", "first", "--config",
+                               "examples/demo_rl/qwen36_demo_v64.yaml", "--num-markers", "4",
+                               "--prompt-len", "64", "--count", "4", "--num-prompts", "8",
+                               "--dynamic-sampling", "2", "--loss-aggregation", "token_mean"])
+    task = demo_rl.make_task(args, tmp_path)
+    assert (task["task"], task["reward"], task["markers"]) == (
+        "first", "longstraw:marker_first", [60, 61, 62, 63])
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and [r["meta"]["answer"] for r in rows[:4]] != [60] * 4
+    argv = demo_rl.launcher_argv(args, task, 1, False, tmp_path)
+    assert argv[argv.index("--longstraw-reward") + 1] == "longstraw:marker_first"
+    assert argv[argv.index("--longstraw-dynamic-sampling-rounds") + 1] == "2"
+    assert argv[argv.index("--longstraw-loss-aggregation") + 1] == "token_mean"
+    # with dynamic sampling the curve is the generated members' mean, not the trained groups'
+    run = demo_rl.summarise_run([{"grpo/reward_mean": 0.5, "sampling/generated_reward_mean": 0.1}])
+    assert run["curve"] == [0.1]
+
+
+def test_the_sweep_table_comes_from_the_records():
+    import demo_rl_sweep
+
+    def record(recipe, task, seed, kind, end):
+        return {"recipe": recipe, "task": task, "seed": seed, "kind": kind, "chance": 0.25,
+                "reward_start": 0.0, "reward_end": end, "steps": 40, "curve": []}
+
+    records = [record("A", "copy", 1, "run", 0.9), record("A", "copy", 1, "control", 0.3),
+               record("A", "copy", 2, "run", 0.4), record("B", "copy", 1, "run", 0.2)]
+    text = demo_rl_sweep.tables(records, chosen="A")
+    assert "| A | copy | 0.000 | 0.900 | 40 |" in text and "| B | copy |" in text
+    assert "| copy | 1 | 0.000 | 0.900 | 0.000 | 0.300 | run learns; control at chance |" in text
+    assert "| copy | 2 | 0.000 | 0.400 | - | - | run FAILS; not run yet: control |" in text
+    assert "No recipe chosen yet" in demo_rl_sweep.tables(records, chosen=None)

@@ -36,6 +36,8 @@ def test_the_batch_is_refilled_and_the_counts_say_what_was_dropped():
     assert [r.group.source for r in out.rollouts] == ["b", "e", "f"]
     assert (out.generated, out.dropped, out.resampled, out.extra_rounds, out.short) == (6, 3, 3, 1, 0)
     assert calls == [0, 1]
+    # the generated members' mean counts the dropped groups too (12 members, reward sum 12)
+    assert (out.reward_sum, out.reward_count) == (12.0, 12)
     assert not has_signal(rounds[0][0].group) and has_signal(rounds[0][1].group)
 
 
@@ -86,6 +88,8 @@ def test_the_online_loop_refills_the_step_and_the_history_counts_it(tmp_path, mo
     assert (first["sampling/generated_groups"], first["sampling/dropped_groups"],
             first["sampling/resampled_groups"], first["sampling/extra_rounds"],
             first["sampling/short_groups"]) == (4, 2, 2, 1, 0)
+    # over all 12 members, the dropped p0 and p2 (reward 1.0, 6 members) included
+    assert first["sampling/generated_reward_mean"] >= 6 / 12
     assert (second["sampling/dropped_groups"], second["sampling/extra_rounds"]) == (0, 0)
     assert first["consumed_groups"] == 4 and second["consumed_groups"] == 6
     assert first["grpo/zero_advantage_frac"] == second["grpo/zero_advantage_frac"] == 0.0

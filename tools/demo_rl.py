@@ -39,6 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 CONFIG = "examples/demo_rl/qwen36_demo.yaml"
 REWARD_KEY = "grpo/reward_mean"
+GENERATED_KEY = "sampling/generated_reward_mean"
+REWARDS = {"majority": "longstraw:marker_majority", "copy": "longstraw:marker_copy",
+           "missing": "longstraw:marker_missing", "first": "longstraw:marker_first"}
+"""The suite's tasks (rewards.make_marker_task, long_tasks.make_long_task) and their rewards."""
 
 
 # ---- the receipt's figures ----------------------------------------------------------------------
@@ -55,7 +59,9 @@ def start_end(curve: list[float], fraction: float = 0.1) -> tuple[float, float]:
 
 def summarise_run(history: list[dict]) -> dict:
     """A launcher receipt's history -> {"reward_start", "reward_end", "curve", ...}."""
-    curve = [float(h[REWARD_KEY]) for h in history]
+    # with dynamic sampling the trained groups' mean skips the all-equal groups: read the mean
+    # over every generated member instead (the policy's reward on fresh prompts)
+    curve = [float(h.get(GENERATED_KEY, h[REWARD_KEY])) for h in history]
     start, end = start_end(curve)
     seconds = [sum(v for k, v in h.items() if k.startswith("time/") and k != "time/step_s")
                for h in history]
@@ -84,7 +90,7 @@ def criterion(seeds: list[dict], chance: float, min_gain: float, max_control_gai
         if not s["run"]["reward_end"] >= run_min:
             failures.append(f"seed {s['seed']}: run reward_end {s['run']['reward_end']:.3f} < "
                             f"{run_min:.3f} (chance {chance:.3f} + {min_gain})")
-        if not s["control"]["reward_end"] <= control_max:
+        if s["control"] is not None and not s["control"]["reward_end"] <= control_max:
             failures.append(f"seed {s['seed']}: control reward_end "
                             f"{s['control']['reward_end']:.3f} > {control_max:.3f} (chance "
                             f"{chance:.3f} + {max_control_gain})")
@@ -105,15 +111,14 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
                            "guess over the model's vocabulary (the untrained policy); "
                            "best_blind: always answering the most frequent answer of the data"},
         "settings": {k: getattr(args, k) for k in (
-            "config", "prompt_len", "group_size", "batch", "steps", "lr", "decoupled_lr",
-            "prompt_grad", "num_prompts",
-            "temperature", "parallel")},
+            "config", "task", "prompt_len", "num_markers", "group_size", "batch", "steps", "lr",
+            "decoupled_lr", "prompt_grad", "num_prompts", "temperature", "dynamic_sampling",
+            "loss_aggregation", "parallel")},
         "criterion": check,
         "seeds": seeds,
-        "summary": {"run_reward_end": spread([s["run"]["reward_end"] for s in seeds]),
-                    "control_reward_end": spread([s["control"]["reward_end"] for s in seeds]),
-                    "run_reward_start": spread([s["run"]["reward_start"] for s in seeds]),
-                    "control_reward_start": spread([s["control"]["reward_start"] for s in seeds])},
+        "summary": {f"{kind}_reward_{end}": spread([s[kind][f"reward_{end}"] for s in seeds])
+                    for kind in ("run", "control") for end in ("start", "end")
+                    if all(s[kind] is not None for s in seeds)},
         "wall_s": wall_s,
         "passed": check["passed"],
     }
@@ -123,16 +128,23 @@ def table(receipt: dict) -> str:
     """The markdown table of docs/benchmarks.md ("A run that learns")."""
     rows = ["| seed | run start | run end | control start | control end |",
             "|---:|---:|---:|---:|---:|"]
+
+    def cell(figures, key):
+        return "-" if figures is None else f"{figures[key]:.3f}"
+
     for s in receipt["seeds"]:
-        rows.append(f"| {s['seed']} | {s['run']['reward_start']:.3f} | "
-                    f"{s['run']['reward_end']:.3f} | {s['control']['reward_start']:.3f} | "
-                    f"{s['control']['reward_end']:.3f} |")
+        rows.append(f"| {s['seed']} | {cell(s['run'], 'reward_start')} | "
+                    f"{cell(s['run'], 'reward_end')} | {cell(s['control'], 'reward_start')} | "
+                    f"{cell(s['control'], 'reward_end')} |")
     summary = receipt["summary"]
-    rows.append(f"| mean ± std | {summary['run_reward_start']['mean']:.3f} | "
-                f"{summary['run_reward_end']['mean']:.3f} ± {summary['run_reward_end']['std']:.3f}"
-                f" | {summary['control_reward_start']['mean']:.3f} | "
-                f"{summary['control_reward_end']['mean']:.3f} ± "
-                f"{summary['control_reward_end']['std']:.3f} |")
+
+    def mean(key, std=False):
+        if key not in summary:
+            return "-"
+        return f"{summary[key]['mean']:.3f}" + (f" ± {summary[key]['std']:.3f}" if std else "")
+
+    rows.append(f"| mean ± std | {mean('run_reward_start')} | {mean('run_reward_end', True)} | "
+                f"{mean('control_reward_start')} | {mean('control_reward_end', True)} |")
     return "\n".join(rows)
 
 
@@ -149,6 +161,8 @@ def write_png(receipt: dict, path: Path) -> None:
     for i, s in enumerate(receipt["seeds"]):
         color = colors[i % len(colors)]
         for kind, style in (("run", "-"), ("control", "--")):
+            if s[kind] is None:
+                continue
             curve = s[kind]["curve"]
             ax.plot(range(len(curve)), moving_average(curve, window), style, color=color,
                     label=f"seed {s['seed']} {kind}")
@@ -158,7 +172,7 @@ def write_png(receipt: dict, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean reward (moving average over {window} steps)")
     task = receipt["task"]
-    ax.set_title(f"online GRPO, tiny Qwen3.6, P = {task['prompt_len']}, G = "
+    ax.set_title(f"online GRPO, {task['task']} task, tiny Qwen3.6, P = {task['prompt_len']}, G = "
                  f"{receipt['settings']['group_size']}: run vs control (prompt state zeroed)",
                  fontsize=9)
     ax.set_ylim(-0.02, 1.02)
@@ -192,6 +206,7 @@ def make_task(args, out: Path) -> dict:
     """The prompts (JSONL, prompt ids inline) and the task's description for the receipt."""
     import yaml
 
+    from megatron_longstraw.rollout.long_tasks import make_long_task
     from megatron_longstraw.rollout.rewards import make_marker_task
 
     vocab = yaml.safe_load((ROOT / args.config).read_text())["model"]["vocab_size"]
@@ -201,22 +216,30 @@ def make_task(args, out: Path) -> dict:
         raise SystemExit(f"vocabulary {vocab} leaves no filler beside {args.num_markers} markers "
                          "and the question cue")
     # Answers are drawn uniformly: 3x the prompts (+ a margin) leaves enough of each to balance.
-    rows = make_marker_task(3 * args.num_prompts + 10 * len(markers), args.prompt_len, markers,
-                            filler, seed=args.data_seed, majority_count=args.majority_count,
-                            minority_max=args.minority_max,
-                            evidence_fraction=args.evidence_fraction)
+    num_rows = 3 * args.num_prompts + 10 * len(markers)
+    if args.task == "majority":
+        rows = make_marker_task(num_rows, args.prompt_len, markers, filler, seed=args.data_seed,
+                                majority_count=args.majority_count,
+                                minority_max=args.minority_max,
+                                evidence_fraction=args.evidence_fraction)
+    else:
+        rows = make_long_task(args.task, num_rows, args.prompt_len, markers, filler,
+                              seed=args.data_seed, count=args.count,
+                              evidence_fraction=args.evidence_fraction)
     rows = balanced_rows(rows, markers, args.data_seed)[:args.num_prompts]
     path = out / "prompts.jsonl"
     with path.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     answers = [r["meta"]["answer"] for r in rows]
-    return {"path": str(path), "num_prompts": len(rows),
+    counts = ({"majority_count": args.majority_count,
+               "minority_max": args.minority_max or args.majority_count // 2}
+              if args.task == "majority" else {"count": args.count})
+    return {"task": args.task, "reward": REWARDS[args.task], "path": str(path),
+            "num_prompts": len(rows),
             "prompt_len": args.prompt_len, "vocab_size": vocab, "markers": markers,
             "question_id": filler[0], "filler_ids": filler[1:],
-            "majority_count": args.majority_count,
-            "minority_max": args.minority_max or args.majority_count // 2,
-            "evidence": f"first {args.evidence_fraction:g} of the prompt", "order": "balanced blocks, file order",
+            **counts, "evidence": f"first {args.evidence_fraction:g} of the prompt", "order": "balanced blocks, file order",
             "best_blind": max(answers.count(m) for m in markers) / len(answers)}
 
 
@@ -224,12 +247,16 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
     name = f"seed{seed}-{'control' if control else 'run'}"
     argv = ["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config", args.config,
             "--longstraw-data", task["path"], "--longstraw-rollout", "online",
-            "--longstraw-reward", "longstraw:marker_majority",
+            "--longstraw-reward", REWARDS[args.task],
             "--longstraw-group-size", str(args.group_size), "--longstraw-max-new-tokens", "1",
             "--longstraw-temperature", str(args.temperature),
             "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", "constant",
             "--clip-grad", "1.0", "--train-iters", str(args.steps),
             *(["--decoupled-lr", str(args.decoupled_lr)] if args.decoupled_lr else []),
+            *(["--longstraw-dynamic-sampling", "--longstraw-dynamic-sampling-rounds",
+               str(args.dynamic_sampling)] if args.dynamic_sampling else []),
+            *(["--longstraw-loss-aggregation", args.loss_aggregation]
+              if args.loss_aggregation else []),
             "--global-batch-size", str(args.batch), "--seed", str(seed),
             "--no-longstraw-data-shuffle", "--no-longstraw-live-bytes",
             "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
@@ -268,6 +295,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo-rl")
     p.add_argument("--config", default=CONFIG, help="Model YAML (relative to the repository).")
+    p.add_argument("--task", choices=tuple(REWARDS), default="majority",
+                   help="majority: rewards.make_marker_task; copy, missing, first: "
+                        "long_tasks.make_long_task (the sweep's suite, docs/demo_rl_sweep.md).")
     p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=3, help="Prompts per step (--global-batch-size).")
@@ -278,6 +308,8 @@ def parse_args(argv=None):
     p.add_argument("--majority-count", type=int, default=1200)
     p.add_argument("--minority-max", type=int, default=250,
                    help="Every other marker occurs 1..this many times.")
+    p.add_argument("--count", type=int, default=64,
+                   help="copy / missing / first: occurrences of each marker present.")
     p.add_argument("--evidence-fraction", type=float, default=0.5,
                    help="Markers sit in this leading fraction of the prompt; the rest is filler.")
     p.add_argument("--data-seed", type=int, default=0)
@@ -291,6 +323,13 @@ def parse_args(argv=None):
                    help="The run's prompt gradient (exact: standard GRPO's, through the prompt); "
                         "the control is always detached (its zeroed state is no function of the "
                         "weights).")
+    p.add_argument("--dynamic-sampling", type=int, default=0, metavar="ROUNDS",
+                   help="--longstraw-dynamic-sampling with this many extra rounds (0: off).")
+    p.add_argument("--loss-aggregation", default=None,
+                   help="--longstraw-loss-aggregation (default: the launcher's).")
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run each seed's control (--no-control: the runs only, for a sweep's "
+                        "screening; the criterion then checks the runs only).")
     p.add_argument("--parallel", type=int, default=2, help="Runs at a time (one process each).")
     p.add_argument("--min-gain", type=float, default=0.25,
                    help="Criterion: the run's reward_end >= chance + this, every seed.")
@@ -306,11 +345,12 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     task = make_task(args, out)
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [(seed, control) for seed in seeds for control in (False, True)]
+    jobs = [(seed, control) for seed in seeds
+            for control in ((False, True) if args.control else (False,))]
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = list(pool.map(lambda job: run_one(args, task, *job, out), jobs))
     by_job = dict(zip(jobs, results))
-    per_seed = [{"seed": seed, "run": by_job[(seed, False)], "control": by_job[(seed, True)]}
+    per_seed = [{"seed": seed, "run": by_job[(seed, False)], "control": by_job.get((seed, True))}
                 for seed in seeds]
     receipt = build_receipt(args, per_seed, task, time.perf_counter() - start)
     from megatron_longstraw.training.receipts import write_json_atomic

@@ -165,6 +165,12 @@ class DynamicBatch:
     """Extra generation rounds this step (agreed by every rank)."""
     short: int
     """Slots filled with dropped groups because the round limit was reached."""
+    reward_sum: float = 0.0
+    """Sum of the rewards of every member of every group generated this step (kept or dropped):
+    with `reward_count`, the policy's mean reward on fresh prompts, which the trained groups'
+    mean overstates or understates once the all-equal groups are filtered out."""
+    reward_count: int = 0
+    """Members generated this step (every round)."""
 
 
 def dynamic_sampling_batch(generate_round: Callable[[int], list[Rollout]], need: int,
@@ -180,13 +186,16 @@ def dynamic_sampling_batch(generate_round: Callable[[int], list[Rollout]], need:
     as they are dropped."""
     kept: list[Rollout] = []
     fallback: list[Rollout] = []     # dropped groups kept for a short batch, at most what it lacks
-    generated = dropped = resampled = 0
+    generated = dropped = resampled = reward_count = 0
+    reward_sum = 0.0
     round_idx = 0
     while True:
         rollouts = generate_round(round_idx) if len(kept) < need else []
         generated += len(rollouts)
         resampled += len(rollouts) if round_idx else 0
         for rollout in rollouts:
+            reward_sum += float(rollout.group.rewards.sum())
+            reward_count += int(rollout.group.rewards.numel())
             if has_signal(rollout.group):
                 if len(kept) < need:
                     kept.append(rollout)
@@ -197,4 +206,5 @@ def dynamic_sampling_batch(generate_round: Callable[[int], list[Rollout]], need:
         if not agree_short(len(kept) < need) or round_idx >= max_extra_rounds:
             break
         round_idx += 1
-    return DynamicBatch(kept + fallback, generated, dropped, resampled, round_idx, len(fallback))
+    return DynamicBatch(kept + fallback, generated, dropped, resampled, round_idx, len(fallback),
+                        reward_sum, reward_count)

@@ -28,7 +28,9 @@ The marker task (`make_marker_task`): each prompt is filler tokens with a few ma
 scattered through its first part only (by default the first half); one marker occurs more often
 than any other, and it is the answer. `marker_majority` gives 1.0 when the response's first token
 is that marker. The answer depends only on tokens far from the prompt's end, and the response
-vocabulary is the few markers, so chance is 1 / len(markers).
+vocabulary is the few markers, so chance is 1 / len(markers). The other long-range tasks of the
+demo sweep (copy, missing, first occurrence) are made by long_tasks.make_long_task and scored by
+`marker_copy`, `marker_missing` and `marker_first`, which read the answer from the prompt itself.
 """
 
 from __future__ import annotations
@@ -220,7 +222,55 @@ def marker_majority(prompt_ids, response_ids, response_text, meta) -> float:
     return float(response.numel() > 0 and int(response[0]) == answer)
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "marker_majority": marker_majority}
+def _task_markers(meta, verifier: str) -> torch.Tensor:
+    if not isinstance(meta, dict) or not isinstance(meta.get("markers"), list) \
+            or len(meta["markers"]) < 2:
+        raise ValueError(f"{verifier} needs the record's meta to be an object with 'markers', a "
+                         f"list of at least two token ids (long_tasks.make_long_task writes it)")
+    return torch.as_tensor(meta["markers"], dtype=torch.long)
+
+
+def _first_token_is(response_ids, answer: int) -> float:
+    response = torch.as_tensor(response_ids).reshape(-1)
+    return float(response.numel() > 0 and int(response[0]) == answer)
+
+
+def marker_copy(prompt_ids, response_ids, response_text, meta) -> float:
+    """The copy task (long_tasks.make_long_task "copy"): 1.0 when the response's first token is
+    the one marker of meta["markers"] that occurs in the prompt (computed from the prompt)."""
+    markers = _task_markers(meta, "marker_copy")
+    present = markers[torch.isin(markers, torch.as_tensor(prompt_ids).reshape(-1))]
+    if present.numel() != 1:
+        raise ValueError(f"marker_copy: the prompt holds {present.tolist()} of the markers "
+                         f"{markers.tolist()}, not exactly one")
+    return _first_token_is(response_ids, int(present[0]))
+
+
+def marker_missing(prompt_ids, response_ids, response_text, meta) -> float:
+    """The missing task ("missing"): 1.0 when the response's first token is the one marker of
+    meta["markers"] that does not occur in the prompt (computed from the prompt)."""
+    markers = _task_markers(meta, "marker_missing")
+    absent = markers[~torch.isin(markers, torch.as_tensor(prompt_ids).reshape(-1))]
+    if absent.numel() != 1:
+        raise ValueError(f"marker_missing: the prompt lacks {absent.tolist()} of the markers "
+                         f"{markers.tolist()}, not exactly one")
+    return _first_token_is(response_ids, int(absent[0]))
+
+
+def marker_first(prompt_ids, response_ids, response_text, meta) -> float:
+    """The first-occurrence task ("first"): 1.0 when the response's first token is the marker
+    of meta["markers"] that occurs earliest in the prompt (computed from the prompt)."""
+    markers = _task_markers(meta, "marker_first")
+    prompt = torch.as_tensor(prompt_ids).reshape(-1)
+    hits = torch.isin(prompt, markers).nonzero()
+    if hits.numel() == 0:
+        raise ValueError(f"marker_first: no marker of {markers.tolist()} occurs in the prompt")
+    return _first_token_is(response_ids, int(prompt[hits[0, 0]]))
+
+
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "marker_majority": marker_majority,
+                                 "marker_copy": marker_copy, "marker_missing": marker_missing,
+                                 "marker_first": marker_first}
 """The verifiers of `longstraw:<name>`."""
 
 

@@ -91,7 +91,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--longstraw-reward", type=str, default=None, metavar="MODULE:FUNCTION",
                        help="Reward function fn(prompt_ids, response_ids, response_text, meta) "
                             "-> float for records without 'rewards' (built-ins: "
-                            "longstraw:exact_match, longstraw:marker_majority; docs/usage.md "
+                            "longstraw:exact_match, longstraw:marker_majority, marker_copy, "
+                            "marker_missing, marker_first; docs/usage.md "
                             "\"Rewards\").")
     return parser
 

@@ -369,7 +369,8 @@ def env_summary(trajectories: list[list[dict]]) -> dict[str, float]:
 def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
     """The step's dynamic-sampling counts (online.DynamicBatch), summed over the data-parallel
     replicas (collective over the data-parallel group), as history keys."""
-    counts = (sampled.generated, sampled.dropped, sampled.resampled, sampled.short)
+    counts = (sampled.generated, sampled.dropped, sampled.resampled, sampled.short,
+              sampled.reward_sum, sampled.reward_count)
     if dp_size > 1:
         from megatron.core import parallel_state as ps
 
@@ -377,8 +378,11 @@ def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
         dist.all_gather_object(per_replica, counts, group=ps.get_data_parallel_group())
         counts = tuple(sum(c) for c in zip(*per_replica))
     names = ("generated_groups", "dropped_groups", "resampled_groups", "short_groups")
+    reward_sum, reward_count = counts[4:]
+    # the mean over every generated member (all rounds, kept or dropped), not the trained groups'
     return {**{f"sampling/{name}": float(v) for name, v in zip(names, counts)},
-            "sampling/extra_rounds": float(sampled.extra_rounds)}
+            "sampling/extra_rounds": float(sampled.extra_rounds),
+            "sampling/generated_reward_mean": reward_sum / max(reward_count, 1)}
 
 
 def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> None:

@@ -1,0 +1,152 @@
+"""The demo recipe's sweep (issue 32 item 4): runs tools/demo_rl.py over a suite of long-range tasks,
+recipes and seeds, one process at a time, and writes the table of docs/demo_rl_sweep.md from the
+receipts.
+
+    python tools/demo_rl_sweep.py run --recipe R --tasks majority,copy,first --seeds 1,2,3
+    python tools/demo_rl_sweep.py table             (docs/demo_rl_sweep.json and .md, from runs/)
+
+`run` starts `tools/demo_rl.py --out runs/demo-rl-sweep/<R>-<task>-s<seeds>` for each task (a
+subprocess: no tool imports another), with the recipe's flags (RECIPES) and the suite's task sizes
+(TASK_FLAGS); --no-control runs the runs only (screening). `table` reads every
+runs/demo-rl-sweep/*/receipt.json, keeps per (recipe, task, seed, run | control) the start / end
+rewards (means over the first / last 10% of steps, demo_rl.start_end) and the curve, writes them
+to docs/demo_rl_sweep.json, and the markdown tables (screening: recipe x task; the chosen recipe:
+task x seed, run vs control, and the criterion of demo_rl.criterion) to docs/demo_rl_sweep.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP = ROOT / "runs" / "demo-rl-sweep"
+DOCS = ROOT / "docs"
+
+# The suite at P = 1024 (evidence in the first 512 tokens, so at least 512 tokens back), 4 markers
+# of the 64-token vocabulary: chance 1/4 for a policy blind to the prompt, 1/64 for the untrained
+# one.
+TASK_FLAGS = ["--config", "examples/demo_rl/qwen36_demo_v64.yaml", "--prompt-len", "1024", "--num-markers", "4", "--batch", "4",
+              "--majority-count", "250", "--minority-max", "60", "--count", "32"]
+RECIPES = {
+    # Adam, constant; lr 1e-4 for the model, the decoupled lr for the embedding and output layer
+    # (Megatron's --decoupled-lr); dynamic sampling (DAPO) with at most 2 extra rounds a step
+    "A": ["--decoupled-lr", "5e-3", "--lr", "1e-4", "--dynamic-sampling", "2", "--steps", "40"],
+    # the model's lr 10x: the features that tell the answers apart must be learned, not only read
+    "C": ["--decoupled-lr", "5e-3", "--lr", "1e-3", "--dynamic-sampling", "2", "--steps", "60"],
+}
+CHOSEN = None
+"""The recipe of the table task x seed (None: none has met the criterion on seed 1 of every
+task yet; the table then lists every recipe that ran more than screening)."""
+CHANCE_GAIN = {"min_gain": 0.25, "max_control_gain": 0.15}   # demo_rl's criterion
+
+
+def run(args) -> None:
+    SWEEP.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    for task in args.tasks.split(","):
+        name = f"{args.recipe}-{task}-s{args.seeds.replace(',', '')}" + (
+            "" if args.control else "-runs")
+        argv = [sys.executable, str(ROOT / "tools" / "demo_rl.py"), "--out", str(SWEEP / name),
+                "--task", task, "--seeds", args.seeds, "--parallel", "1", *TASK_FLAGS,
+                *RECIPES[args.recipe], *([] if args.control else ["--no-control"])]
+        print(" ".join(argv[1:]), flush=True)
+        subprocess.run(argv, env=env, cwd=ROOT, check=False)
+
+
+def collect() -> list[dict]:
+    """One record per (recipe, task, seed, kind) from the sweep's receipts."""
+    records = []
+    for path in sorted(SWEEP.glob("*/receipt.json")):
+        receipt = json.loads(path.read_text())
+        recipe = path.parent.name.split("-")[0]
+        for s in receipt["seeds"]:
+            for kind in ("run", "control"):
+                figures = s.get(kind)
+                if figures is None:
+                    continue
+                records.append({"recipe": recipe, "task": receipt["task"]["task"],
+                                "seed": s["seed"], "kind": kind, "folder": path.parent.name,
+                                "chance": receipt["chance"]["marker"],
+                                "settings": receipt["settings"],
+                                **{k: figures[k] for k in ("reward_start", "reward_end",
+                                                           "steps", "curve")}})
+    return records
+
+
+def _find(records, recipe, task, seed, kind):
+    found = [r for r in records if (r["recipe"], r["task"], r["seed"], r["kind"]) ==
+             (recipe, task, seed, kind)]
+    return found[-1] if found else None
+
+
+def tables(records: list[dict], chosen: str | None = CHOSEN) -> str:
+    out = ["## Screening: recipe x task (seed 1, run only)", "",
+           "| recipe | task | start | end | steps |", "|---|---|---:|---:|---:|"]
+    for r in records:
+        if r["seed"] == 1 and r["kind"] == "run":
+            out.append(f"| {r['recipe']} | {r['task']} | {r['reward_start']:.3f} | "
+                       f"{r['reward_end']:.3f} | {r['steps']} |")
+    if chosen is None:
+        return "\n".join(out + ["", "No recipe chosen yet: none has learned every task on seed 1 "
+                                     "(docs/demo_rl_sweep.md)."])
+    out += ["", f"## The chosen recipe ({chosen}): task x seed, run vs control", "",
+            "| task | seed | run start | run end | control start | control end | criterion |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    picked = [r for r in records if r["recipe"] == chosen]
+    for task in dict.fromkeys(r["task"] for r in picked):
+        for seed in sorted({r["seed"] for r in picked if r["task"] == task}):
+            run_, control = (_find(records, chosen, task, seed, k) for k in ("run", "control"))
+            chance = (run_ or control)["chance"]
+            cells, verdict = [], []
+            for figures in (run_, control):
+                cells += (["-", "-"] if figures is None else
+                          [f"{figures['reward_start']:.3f}", f"{figures['reward_end']:.3f}"])
+            if run_ is not None:
+                verdict.append("run learns" if run_["reward_end"] >= chance +
+                               CHANCE_GAIN["min_gain"] else "run FAILS")
+            if control is not None:
+                verdict.append("control at chance" if control["reward_end"] <= chance +
+                               CHANCE_GAIN["max_control_gain"] else "control FAILS")
+            if run_ is None or control is None:
+                verdict.append("not run yet: " + ", ".join(
+                    k for k, f in (("run", run_), ("control", control)) if f is None))
+            out.append(f"| {task} | {seed} | {' | '.join(cells)} | {'; '.join(verdict)} |")
+    return "\n".join(out)
+
+
+def table(args) -> None:
+    records = collect()
+    chosen = args.chosen or CHOSEN
+    DOCS.mkdir(exist_ok=True)
+    (DOCS / "demo_rl_sweep.json").write_text(json.dumps(
+        {"recipes": RECIPES, "task_flags": TASK_FLAGS, "chosen": chosen,
+         "criterion": CHANCE_GAIN, "records": records}, indent=1) + "\n")
+    text = tables(records, chosen)
+    md = DOCS / "demo_rl_sweep.md"
+    head = md.read_text().split("<!-- tables -->")[0] if md.exists() else "# Demo RL sweep\n\n"
+    md.write_text(head + "<!-- tables -->\n" + text + "\n")
+    print(text)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--recipe", choices=tuple(RECIPES), required=True)
+    r.add_argument("--tasks", default="majority,copy,first")
+    r.add_argument("--seeds", default="1,2,3")
+    r.add_argument("--control", action=argparse.BooleanOptionalAction, default=True)
+    t = sub.add_parser("table")
+    t.add_argument("--chosen", choices=tuple(RECIPES), default=None,
+                   help="The recipe of the task x seed table (default: CHOSEN).")
+    args = p.parse_args(argv)
+    {"run": run, "table": table}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
