@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
+from helpers import full_sequence_logprobs
+from test_decode import _build
 from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.context.capture import capture_prompt
@@ -19,14 +20,6 @@ from megatron_longstraw.rollout.env import EnvLimits, EnvStep, load_env_factory
 from megatron_longstraw.rollout.example_env import LookupEnv, lookup
 
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-def _build(family):
-    if family == "deepseekv3":
-        from test_deepseekv3 import build_tiny_deepseekv3
-
-        return build_tiny_deepseekv3(torch.float64)
-    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float64)
 
 
 def _ls(members):

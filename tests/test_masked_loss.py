@@ -8,12 +8,11 @@ reference); a masked token's log-prob does not move the loss."""
 import pytest
 import torch
 
-from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
+from helpers import full_sequence_logprobs
+from test_exact_gradient import _build, _longstraw, _worst
 from megatron_longstraw.config.loss import GRPOLossConfig
-from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.grpo.loss import combine_shares, member_loss
-from megatron_longstraw.training.schedule import forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -85,14 +84,6 @@ def test_member_loss_with_a_mask_equals_the_written_out_formula_also_in_shares(a
     assert abs(float(again - total)) <= 1e-12
 
 
-def _build(family):
-    if family == "deepseekv3":
-        from test_deepseekv3 import build_tiny_deepseekv3
-
-        return build_tiny_deepseekv3(torch.float64)
-    return (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float64)
-
-
 def _group(vocab, prompt_len):
     gen = torch.Generator().manual_seed(11)
     return GRPOGroup(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen),
@@ -107,19 +98,6 @@ def _reference(model, group, detach_prompt_state=False):
     _masked_reference_loss(logps, [lp.detach() for lp in logps], group.rewards,
                            MASKS).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _longstraw(model, group, mode, **kw):
-    model.zero_grad(set_to_none=True)
-    ls = LongStrawConfig(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
-                         max_response_len=64, clip_eps_high=0.28, prompt_grad=mode, **kw)
-    forward_backward_longstraw(model, group, ls)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _worst(got, ref):
-    assert got.keys() == ref.keys() and got
-    return max(float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)) for n in ref)
 
 
 @pytest.mark.parametrize("family,prompt_len,response_block", [

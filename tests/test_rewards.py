@@ -61,7 +61,8 @@ def test_load_reward(user_module) -> None:
 
 @pytest.mark.parametrize("spec,message", [
     ("my_rewards.length", r"expected 'module:function' \(e\.g\. my_rewards:score\) or "
-                          r"'longstraw:<name>' \(built-ins: exact_match, marker_majority\)"),
+                          r"'longstraw:<name>' \(built-ins: exact_match, marker_copy, "
+                          r"marker_first, marker_majority, marker_missing\)"),
     ("my_rewards:", "both the module and the function must be named"),
     ("no_such_module_xyz:f", r"module 'no_such_module_xyz' not found; put its folder on "
                              "PYTHONPATH"),
@@ -72,7 +73,7 @@ def test_load_reward(user_module) -> None:
                            r"'missing'; check the function's name"),
     ("my_rewards:LIMIT", r"'LIMIT' is a int, not a function"),
     ("longstraw:majority", r"no built-in reward 'majority'; built-ins: exact_match, "
-                           "marker_majority"),
+                           "marker_copy, marker_first, marker_majority, marker_missing"),
 ])
 def test_load_reward_errors(user_module, spec, message) -> None:
     with pytest.raises(ConfigError, match=message) as info:

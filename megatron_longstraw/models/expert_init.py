@@ -81,7 +81,7 @@ def seed_experts(model: torch.nn.Module, seed: int) -> int:
                 if name not in inits:
                     flat = param.detach().reshape(-1)
                     if flat.numel() and not bool((flat == flat[0]).all()):
-                        raise NotImplementedError(
+                        raise RuntimeError(
                             f"{full}: a randomly initialised expert parameter that "
                             "models/expert_init.py does not redraw; add its init there.")
                     continue

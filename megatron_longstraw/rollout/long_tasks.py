@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_longstraw.rollout.rewards import filler_pool
+
 TASKS = ("copy", "missing", "first")
 
 
@@ -52,18 +54,7 @@ def make_long_task(task: str, num_prompts: int, prompt_len: int, markers: Sequen
                          f"prompt_len ({prompt_len}) >= 2.")
     if not 0.0 < evidence_fraction < 1.0:
         raise ValueError(f"evidence_fraction must be in (0, 1), got {evidence_fraction}.")
-    pool = list(range(filler_vocab)) if isinstance(filler_vocab, int) else [int(x) for x in
-                                                                            filler_vocab]
-    pool = [x for x in dict.fromkeys(pool) if x not in set(markers)]
-    if question_id is None:
-        if not pool:
-            raise ValueError("filler_vocab has no id besides the markers.")
-        question_id = pool[0]
-    if question_id in markers:
-        raise ValueError(f"question_id {question_id} is a marker; choose another id.")
-    pool = [x for x in pool if x != question_id]
-    if not pool:
-        raise ValueError("filler_vocab has no id besides the markers and the question id.")
+    pool, question_id = filler_pool(filler_vocab, markers, question_id)
     evidence_len = int(evidence_fraction * prompt_len)
     present = {"copy": 1, "missing": len(markers) - 1, "first": len(markers)}[task]
     # `first` puts each marker in its own segment of evidence_len // len(markers) tokens

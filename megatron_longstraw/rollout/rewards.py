@@ -277,6 +277,24 @@ BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "marker_majority": 
 # ---- the synthetic marker task ------------------------------------------------------------------
 
 
+def filler_pool(filler_vocab, markers, question_id=None) -> tuple[list[int], int]:
+    """The synthetic tasks' filler ids (`filler_vocab`: a count or the ids) without the markers
+    and the question id (default: the first filler id) -> (filler ids, question id)."""
+    pool = list(range(filler_vocab)) if isinstance(filler_vocab, int) else [int(x) for x in
+                                                                            filler_vocab]
+    pool = [x for x in dict.fromkeys(pool) if x not in set(markers)]
+    if question_id is None:
+        if not pool:
+            raise ValueError("filler_vocab has no id besides the markers.")
+        question_id = pool[0]
+    if question_id in markers:
+        raise ValueError(f"question_id {question_id} is a marker; choose another id.")
+    pool = [x for x in pool if x != question_id]
+    if not pool:
+        raise ValueError("filler_vocab has no id besides the markers and the question id.")
+    return pool, question_id
+
+
 def make_marker_task(num_prompts: int, prompt_len: int, markers: Sequence[int],
                      filler_vocab: int | Sequence[int], seed: int = 0, *,
                      evidence_fraction: float = 0.5, majority_count: int = 6,
@@ -321,18 +339,7 @@ def make_marker_task(num_prompts: int, prompt_len: int, markers: Sequence[int],
     if not 0.0 < evidence_fraction < 1.0:
         raise ValueError(f"evidence_fraction must be in (0, 1) (the markers' share of the prompt, "
                          f"from its start), got {evidence_fraction}.")
-    pool = list(range(filler_vocab)) if isinstance(filler_vocab, int) else [int(x) for x in
-                                                                            filler_vocab]
-    pool = [x for x in dict.fromkeys(pool) if x not in set(markers)]
-    if question_id is None:
-        if not pool:
-            raise ValueError("filler_vocab has no id besides the markers.")
-        question_id = pool[0]
-    if question_id in markers:
-        raise ValueError(f"question_id {question_id} is a marker; choose another id.")
-    pool = [x for x in pool if x != question_id]
-    if not pool:
-        raise ValueError("filler_vocab has no id besides the markers and the question id.")
+    pool, question_id = filler_pool(filler_vocab, markers, question_id)
     evidence_len = int(evidence_fraction * prompt_len)
     most = majority_count + minority_max * (len(markers) - 1)
     if most > evidence_len:
