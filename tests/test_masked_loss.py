@@ -137,30 +137,37 @@ def test_masked_qwen36_detached_update_equals_full_autograd_after_the_mixers():
     assert worst <= 1e-9
 
 
+POST_MIXER = {"decoder.final_norm.weight", "output_layer.weight"}
+
+
 def test_masked_update_under_cp_equals_full_autograd_of_the_masked_loss(tmp_path):
     """Real gloo ranks, CP 2 (x EP 2 for the MoE families; blocks of 8, so the 17-token member
     runs in 3 blocks): each rank's share of the masked loss, finalized, equals full autograd on
-    one process: exact for the three families, detached for GLM-5.2 against the detached-prompt
-    reference."""
+    one process: exact for the three families; detached for GLM-5.2 and DeepSeek-V3 against the
+    detached-prompt reference, for Qwen3.6 on the post-mixer parameters (as above)."""
     import dist_workers
     from distributed import run_ranks
 
     cases = [("glm52", 2, 2, 160, "exact"), ("qwen36", 2, 1, 64, "exact"),
-             ("deepseekv3", 2, 2, 64, "exact"), ("glm52", 2, 2, 160, "detached")]
+             ("deepseekv3", 2, 2, 64, "exact"), ("glm52", 2, 2, 160, "detached"),
+             ("deepseekv3", 2, 2, 64, "detached"), ("qwen36", 2, 1, 64, "detached")]
     references, jobs = [], []
     for family, cp, ep, prompt_len, mode in cases:
         cfg, model = _build(family)
         path = tmp_path / f"{family}.pt"
         torch.save({k: v.clone() for k, v in model.state_dict().items()
                     if not k.endswith("_extra_state")}, path)
-        references.append(_reference(model, _group(cfg.vocab_size, prompt_len),
-                                     detach_prompt_state=mode == "detached"))
+        reference = _reference(model, _group(cfg.vocab_size, prompt_len),
+                               detach_prompt_state=mode == "detached" and family != "qwen36")
+        if mode == "detached" and family == "qwen36":
+            reference = {n: g for n, g in reference.items() if n in POST_MIXER}
+        references.append(reference)
         jobs.append((family, cp, ep, str(path), prompt_len))
     outs = run_ranks(dist_workers.exact_gradient_worker, 2, cases=jobs, lens=LENS,
                      loss_masks=MASKS, settings=[{"response_block": 8, "prompt_grad": mode}
                                                  for *_, mode in cases])
     for case, (family, cp, ep, _, mode), reference in zip(range(len(cases)), cases, references):
-        grads = [out[case] for out in outs]
+        grads = [{n: g for n, g in out[case].items() if n in reference} for out in outs]
         assert set().union(*grads) == set(reference)
         worst = max(float((g[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-300))
                     for g in grads for n in g)
