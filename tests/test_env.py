@@ -240,3 +240,38 @@ def test_an_environment_that_raises_ends_its_members_not_the_run(tmp_path, monke
             assert member["end"] == "env error: env.step raised RuntimeError: the tool is down"
             assert member["tokens"] == member["trained_tokens"] == 3
             assert member["reward_from"] == "reward function"
+
+
+def test_environments_under_cp_are_called_once_and_feed_every_rank(tmp_path):
+    """Real gloo ranks (GLM-5.2 CP2/EP2, Qwen3.6 CP2): CP rank 0 calls each member's environment
+    and broadcasts the observation, so the tool runs once per call and every rank's trajectory
+    (tokens, masks, log-probs <= 1e-9) equals one process's."""
+    import dist_workers
+    from distributed import run_ranks
+
+    cases, references, jobs = [("glm52", 2, 2, 40), ("qwen36", 2, 1, 50)], [], []
+    for family, cp, ep, prompt_len in cases:
+        cfg, model = _build(family)
+        path = tmp_path / f"{family}.pt"
+        torch.save({k: v.clone() for k, v in model.state_dict().items()
+                    if not k.endswith("_extra_state")}, path)
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
+                               generator=torch.Generator().manual_seed(4))
+        ls = LongStrawConfig(group_size=2, query_block=7, key_block=23, token_block=19,
+                             max_response_len=64)
+        captured = capture_prompt(model, prompt, ls)
+        references.append(generate(model, captured, 2, SamplingParams(max_new_tokens=18, seed=7),
+                                   ls, envs=[LookupEnv(prompt) for _ in range(2)],
+                                   env_limits=EnvLimits(max_turns=3, turn_tokens=3)))
+        jobs.append((family, cp, ep, str(path), prompt_len))
+    outs = run_ranks(dist_workers.env_decode_worker, 2, cases=jobs)
+    for case, (family, cp, ep, _) in enumerate(cases):
+        worst = 0.0
+        for rank, out in enumerate(outs):
+            for (tokens, logps, mask, calls), ref in zip(out[case], references[case]):
+                assert torch.equal(tokens, ref.token_ids) and torch.equal(mask, ref.loss_mask)
+                assert calls == (len(ref.turns) if rank == 0 else 0)
+                worst = max(worst, float((logps - ref.logprobs).abs().max()))
+        assert len(references[case][0].turns) == 3
+        print(f"{family} CP{cp}/EP{ep}: env trajectory vs one process max |d logp| {worst:.1e}")
+        assert worst <= 1e-9

@@ -257,7 +257,8 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
                     path.turn.append(token)
                     ended = envs is not None and _turn_ends(
                         envs[member], path, token, limits, model_logp.shape[-1], tokenizer,
-                        room=params.max_new_tokens - len(tokens[member]))
+                        room=params.max_new_tokens - len(tokens[member]),
+                        layout=captured.layout)
                 if not ended and len(tokens[member]) < params.max_new_tokens:
                     still.append(member)
             active = still
@@ -286,17 +287,30 @@ class _Trajectory:
 
 
 def _turn_ends(env, path: _Trajectory, token: int, limits: EnvLimits, vocab_size: int,
-               tokenizer, room: int) -> bool:
+               tokenizer, room: int, layout=None) -> bool:
     """After the policy's `token`: when it closes a turn, call the environment and queue its
-    observation (cut to the `room` left). True when the member ends here."""
+    observation (cut to the `room` left). True when the member ends here. Under CP every rank
+    runs the same rows and reaches the same calls in the same order: CP rank 0 calls its
+    environment and broadcasts the outcome, so a tool runs once per call and every rank feeds
+    the same observation."""
     if token not in set(env.stop_ids) and not (limits.turn_tokens
                                                and len(path.turn) >= limits.turn_tokens):
         return False
-    try:
-        observation, step = call_step(env, path.turn, limits, vocab_size, tokenizer)
-    except EnvError as exc:
-        path.end_reason = f"env error: {exc}"
+    outcome = None
+    if layout is None or layout.rank == 0:
+        try:
+            outcome = call_step(env, path.turn, limits, vocab_size, tokenizer)
+        except EnvError as exc:
+            outcome = f"env error: {exc}"
+    if layout is not None and layout.size > 1:
+        box = [outcome]
+        torch.distributed.broadcast_object_list(
+            box, src=torch.distributed.get_global_rank(layout.group, 0), group=layout.group)
+        outcome = box[0]
+    if isinstance(outcome, str):
+        path.end_reason = outcome
         return True
+    observation, step = outcome
     path.turns.append({"policy_tokens": len(path.turn), "observation_tokens": len(observation),
                        "reward": step.reward})
     path.turn = []
