@@ -38,6 +38,11 @@ RECIPES = {
     "A": ["--decoupled-lr", "5e-3", "--lr", "1e-4", "--dynamic-sampling", "2", "--steps", "40"],
     # the model's lr 10x: the features that tell the answers apart must be learned, not only read
     "C": ["--decoupled-lr", "5e-3", "--lr", "1e-3", "--dynamic-sampling", "2", "--steps", "60"],
+    # C sampling hotter: keep exploring once the marker set is learned (C and A collapse there)
+    "D": ["--decoupled-lr", "5e-3", "--lr", "1e-3", "--dynamic-sampling", "2", "--steps", "60",
+          "--temperature", "1.5"],
+    # C with a lower embedding / output lr: the marker set learned slower than the features
+    "E": ["--decoupled-lr", "1e-3", "--lr", "1e-3", "--dynamic-sampling", "2", "--steps", "60"],
 }
 CHOSEN = None
 """The recipe of the table task x seed (None: none has met the criterion on seed 1 of every
@@ -121,6 +126,14 @@ def tables(records: list[dict], chosen: str | None = CHOSEN) -> str:
 
 def table(args) -> None:
     records = collect()
+    # records already in the JSON whose runs are not in runs/ (a run folder is not committed:
+    # another machine's or session's sweep) are kept; a run here replaces its old record
+    saved = DOCS / "demo_rl_sweep.json"
+    if saved.exists():
+        key = lambda r: (r["recipe"], r["task"], r["seed"], r["kind"])
+        here = {key(r) for r in records}
+        records = [r for r in json.loads(saved.read_text())["records"]
+                   if key(r) not in here] + records
     chosen = args.chosen or CHOSEN
     DOCS.mkdir(exist_ok=True)
     (DOCS / "demo_rl_sweep.json").write_text(json.dumps(
