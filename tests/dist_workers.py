@@ -258,10 +258,11 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
     return outs
 
 
-def env_decode_worker(rank, cases):
-    """Multi-turn generation with the example lookup environment on CP (x EP) ranks (`cases` as
-    decode_worker's): per case and member (token ids, log-probs, loss mask, this rank's
-    environment calls)."""
+def decode_worker(rank, cases, envs=False):
+    """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
+    prompt length)): every case's (token ids, log-probs) per member, for the test to compare
+    with one process. `envs`: 2 members with the example lookup environment (turns of 3 tokens,
+    3 calls), each member's (token ids, log-probs, loss mask, this rank's environment calls)."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.rollout.decode import generate
@@ -269,41 +270,25 @@ def env_decode_worker(rank, cases):
     from megatron_longstraw.rollout.example_env import LookupEnv
     from megatron_longstraw.config.sampling import SamplingParams
 
+    members, new_tokens = (2, 18) if envs else (3, 6)
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
         cfg, model, experts = _case_model(family, cp, ep, state_path)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                                generator=torch.Generator().manual_seed(4))
-        ls = LongStrawConfig(group_size=2, query_block=7, key_block=23, token_block=19,
+        ls = LongStrawConfig(group_size=members, query_block=7, key_block=23, token_block=19,
                              max_response_len=64)
         captured = capture_prompt(model, prompt, ls)
-        envs = [LookupEnv(prompt) for _ in range(2)]
-        gens = generate(model, captured, 2, SamplingParams(max_new_tokens=18, seed=7), ls,
-                        envs=envs, env_limits=EnvLimits(max_turns=3, turn_tokens=3))
+        params = SamplingParams(max_new_tokens=new_tokens, seed=7)
+        if not envs:
+            outs.append([(g.token_ids, g.logprobs)
+                         for g in generate(model, captured, members, params, ls)])
+            continue
+        lookups = [LookupEnv(prompt) for _ in range(members)]
+        gens = generate(model, captured, members, params, ls, envs=lookups,
+                        env_limits=EnvLimits(max_turns=3, turn_tokens=3))
         outs.append([(g.token_ids, g.logprobs, g.loss_mask, env.calls)
-                     for g, env in zip(gens, envs)])
-    return outs
-
-
-def decode_worker(rank, cases):
-    """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
-    prompt length)): every case's (token ids, log-probs) per member, for the test to compare
-    with one process."""
-    from megatron_longstraw.context.capture import capture_prompt
-    from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.rollout.decode import generate
-    from megatron_longstraw.config.sampling import SamplingParams
-
-    outs = []
-    for family, cp, ep, state_path, prompt_len in cases:
-        cfg, model, experts = _case_model(family, cp, ep, state_path)
-        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
-                               generator=torch.Generator().manual_seed(4))
-        ls = LongStrawConfig(group_size=3, query_block=7, key_block=23, token_block=19,
-                             max_response_len=64)
-        captured = capture_prompt(model, prompt, ls)
-        gens = generate(model, captured, 3, SamplingParams(max_new_tokens=6, seed=7), ls)
-        outs.append([(g.token_ids, g.logprobs) for g in gens])
+                     for g, env in zip(gens, lookups)])
     return outs
 
 

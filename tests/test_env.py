@@ -11,20 +11,14 @@ import pytest
 import torch
 
 from helpers import full_sequence_logprobs
-from test_decode import _build
+from test_decode import _build, _cfg as _ls
 from megatron_longstraw.config.sampling import SamplingParams
-from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.rollout.decode import generate
 from megatron_longstraw.rollout.env import EnvLimits, EnvStep, load_env_factory
 from megatron_longstraw.rollout.example_env import LookupEnv, lookup
 
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-def _ls(members):
-    return LongStrawConfig(group_size=members, query_block=7, key_block=23, token_block=19,
-                           max_response_len=64)
 
 
 # GLM-5.2: P = 40 with top-k 16, so every query selects among many keys and the trajectory's
@@ -257,14 +251,13 @@ def test_environments_under_cp_are_called_once_and_feed_every_rank(tmp_path):
                     if not k.endswith("_extra_state")}, path)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                                generator=torch.Generator().manual_seed(4))
-        ls = LongStrawConfig(group_size=2, query_block=7, key_block=23, token_block=19,
-                             max_response_len=64)
+        ls = _ls(2)
         captured = capture_prompt(model, prompt, ls)
         references.append(generate(model, captured, 2, SamplingParams(max_new_tokens=18, seed=7),
                                    ls, envs=[LookupEnv(prompt) for _ in range(2)],
                                    env_limits=EnvLimits(max_turns=3, turn_tokens=3)))
         jobs.append((family, cp, ep, str(path), prompt_len))
-    outs = run_ranks(dist_workers.env_decode_worker, 2, cases=jobs)
+    outs = run_ranks(dist_workers.decode_worker, 2, cases=jobs, envs=True)
     for case, (family, cp, ep, _) in enumerate(cases):
         worst = 0.0
         for rank, out in enumerate(outs):
