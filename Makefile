@@ -69,9 +69,10 @@ demo-qwen36: $(VENV)/.installed
 		--expect-constant gdn_state conv_tail
 
 # A run that learns, with a control (tools/demo_rl.py, docs/benchmarks.md "A run that learns"): online GRPO on
-# the marker task at P = 4096, G = 8, tiny Qwen3.6; 3 seeds, each a run and its control (prompt
-# state zeroed), two processes at a time. Receipt and PNG in runs/demo-rl/; exit 1 unless every
-# run learns and no control does.
+# the majority marker task at P = 1024, G = 16, tiny Qwen3.6 with a 64-token vocabulary, the recipe
+# the sweep chose (docs/demo_rl_sweep.md); 3 seeds, each a run and its control (prompt state
+# zeroed), two processes at a time. Receipt and PNG in runs/demo-rl/; exit 1 unless every run
+# learns and no control does.
 demo-rl: $(VENV)/.installed
 	$(PY) tools/demo_rl.py --out runs/demo-rl
 

@@ -61,7 +61,18 @@ def test_both_gradient_modes_are_offered_and_the_control_stays_detached():
     assert "--longstraw-prompt-grad" not in control and "zeros" in control
     assert "--longstraw-prompt-grad" not in demo_rl.launcher_argv(demo_rl.parse_args([]), task, 1,
                                                                   False, Path("out"))
-    assert run[run.index("--decoupled-lr") + 1] == "0.02" and run[run.index("--lr") + 1] == "0.0001"
+    assert run[run.index("--decoupled-lr") + 1] == "0.005" and run[run.index("--lr") + 1] == "0.001"
+
+
+def test_the_demo_s_defaults_are_the_sweep_s_chosen_recipe_on_its_suite():
+    """`make demo-rl` runs tools/demo_rl.py's defaults: they must be the recipe the sweep chose
+    (demo_rl_sweep.CHOSEN) at the suite's sizes, or the README's demo is not the swept recipe."""
+    import demo_rl_sweep
+
+    assert demo_rl_sweep.CHOSEN is not None
+    swept = demo_rl.parse_args([*demo_rl_sweep.TASK_FLAGS,
+                                *demo_rl_sweep.RECIPES[demo_rl_sweep.CHOSEN]])
+    assert vars(demo_rl.parse_args([])) == vars(swept)
 
 
 def test_the_tool_runs_end_to_end_at_a_tiny_size(tmp_path):
@@ -78,7 +89,7 @@ def test_the_tool_runs_end_to_end_at_a_tiny_size(tmp_path):
         assert figures["steps"] == 2 and len(figures["curve"]) == 2
         assert figures["reward_start"] == figures["curve"][0]
         assert figures["reward_end"] == figures["curve"][1]
-    assert saved["chance"]["marker"] == pytest.approx(1 / 3)
+    assert saved["chance"]["marker"] == pytest.approx(1 / 4)
     assert saved["passed"] == receipt["passed"]
     assert (tmp_path / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "seed7-control" / "receipt.json").exists()

@@ -2,17 +2,19 @@
 
     python tools/demo_rl.py --out runs/demo-rl            (the defaults are docs/benchmarks.md's demo)
 
-The task (rewards.make_marker_task): each prompt is `--prompt-len` tokens of filler with a few
+The defaults are the recipe the sweep chose (tools/demo_rl_sweep.py, recipe G; docs/demo_rl_sweep.md)
+on its majority task (rewards.make_marker_task): each prompt is `--prompt-len` tokens of filler with
 marker tokens scattered through its first half only; one marker occurs more often than the others,
 and it is the answer. The last prompt token is the same question cue in every prompt, so nothing
 near the end tells the answer: the policy must read it from the captured prompt state. Reward
 (`longstraw:marker_majority`): 1 when the response's first token is the majority marker.
+`--task copy | missing | first` runs the suite's other tasks (long_tasks.make_long_task).
 
 For every seed, two online GRPO runs through the launcher (`--longstraw-rollout online`, tiny
-Qwen3.6 of examples/demo_rl/qwen36_demo.yaml), identical but for `--longstraw-control zeros` in
-the second: its captured prompt state is replaced by zeros before generation and training, so the
-policy sees only the question cue and cannot do better than guessing a marker. Each pair runs side
-by side (two processes, OMP_NUM_THREADS=1 each).
+Qwen3.6 of examples/demo_rl/qwen36_demo_v64.yaml, a 64-token vocabulary), identical but for
+`--longstraw-control zeros` in the second: its captured prompt state is replaced by zeros before
+generation and training, so the policy sees only the question cue and cannot do better than
+guessing a marker. Each pair runs side by side (two processes, OMP_NUM_THREADS=1 each).
 
 Outputs in --out: prompts.jsonl (+ prompts.prompts/*.npy), one launcher folder per run
 (receipt.json with the per-step history), receipt.json (per seed: reward_start / reward_end of the
@@ -37,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = "examples/demo_rl/qwen36_demo.yaml"
+CONFIG = "examples/demo_rl/qwen36_demo_v64.yaml"
 REWARD_KEY = "grpo/reward_mean"
 GENERATED_KEY = "sampling/generated_reward_mean"
 REWARDS = {"majority": "longstraw:marker_majority", "copy": "longstraw:marker_copy",
@@ -299,31 +301,32 @@ def parse_args(argv=None):
                    help="majority: rewards.make_marker_task; copy, missing, first: "
                         "long_tasks.make_long_task (the sweep's suite, docs/demo_rl_sweep.md).")
     p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=3, help="Prompts per step (--global-batch-size).")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--batch", type=int, default=4, help="Prompts per step (--global-batch-size).")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=150)
-    p.add_argument("--num-markers", type=int, default=3)
-    p.add_argument("--majority-count", type=int, default=1200)
-    p.add_argument("--minority-max", type=int, default=250,
+    p.add_argument("--num-markers", type=int, default=4)
+    p.add_argument("--majority-count", type=int, default=250)
+    p.add_argument("--minority-max", type=int, default=60,
                    help="Every other marker occurs 1..this many times.")
-    p.add_argument("--count", type=int, default=64,
+    p.add_argument("--count", type=int, default=32,
                    help="copy / missing / first: occurrences of each marker present.")
     p.add_argument("--evidence-fraction", type=float, default=0.5,
                    help="Markers sit in this leading fraction of the prompt; the rest is filler.")
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-4,
+    p.add_argument("--lr", type=float, default=1e-3,
                    help="Learning rate of every parameter but the embedding and output layer.")
-    p.add_argument("--decoupled-lr", type=float, default=2e-2,
+    p.add_argument("--decoupled-lr", type=float, default=5e-3,
                    help="Learning rate of the embedding and output layer (Megatron's "
                         "--decoupled-lr); 0: --lr for them too.")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.5,
+                   help="Sampling temperature (the trained policy is the model's, temperature 1).")
     p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
                    help="The run's prompt gradient (exact: standard GRPO's, through the prompt); "
                         "the control is always detached (its zeroed state is no function of the "
                         "weights).")
-    p.add_argument("--dynamic-sampling", type=int, default=0, metavar="ROUNDS",
+    p.add_argument("--dynamic-sampling", type=int, default=2, metavar="ROUNDS",
                    help="--longstraw-dynamic-sampling with this many extra rounds (0: off).")
     p.add_argument("--loss-aggregation", default=None,
                    help="--longstraw-loss-aggregation (default: the launcher's).")
