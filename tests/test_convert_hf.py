@@ -75,9 +75,11 @@ def _save_sharded(model, path, max_shard_size: str):
     return path, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _convert(hf_dir, out, family: str):
-    """tools/convert_hf.py HF -> model format in fp64; returns `out`."""
-    assert convert_hf.main(["--family", family, "--hf-dir", str(hf_dir), "--out", str(out),
+def _convert(hf_dir, out, family: str | None):
+    """tools/convert_hf.py HF -> model format in fp64 (family None: --family left out, so the
+    config's model_type picks it); returns `out`."""
+    given = ["--family", family] if family else []
+    assert convert_hf.main([*given, "--hf-dir", str(hf_dir), "--out", str(out),
                             "--dtype", "fp64"]) == 0
     return out
 
@@ -238,7 +240,7 @@ def qwen_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen_converted(qwen_checkpoint, tmp_path_factory):
     return _convert(qwen_checkpoint[0], tmp_path_factory.mktemp("converted_qwen") / "qwen36",
-                    "qwen36")
+                    None)   # the family from model_type 'qwen3_5_text'; loaded as qwen36 below
 
 
 def test_qwen36_format_is_the_single_process_state_dict(qwen_converted):
@@ -270,7 +272,8 @@ def test_qwen36_back_to_hf_is_exact(qwen_checkpoint, qwen_converted, tmp_path):
 
     hf_dir, original = qwen_checkpoint
     back = tmp_path / "hf"
-    assert convert_hf.main(["--family", "qwen36", "--hf-dir", str(back), "--out",
+    # --family left out: the model-format directory records it
+    assert convert_hf.main(["--hf-dir", str(back), "--out",
                             str(qwen_converted), "--to-hf", "--dtype", "fp32",
                             "--max-shard-size", "150KB"]) == 0
     index = json.loads((back / "model.safetensors.index.json").read_text())
@@ -353,6 +356,12 @@ def test_qwen36_bad_input_fails_clearly(qwen_checkpoint, converted, tmp_path):
               {**tensors, "model.layers.3.linear_attn.A_log": torch.zeros(6)})
     fails(tmp_path / "extra", r"1 tensors with no place in the model, e\.g\. "
                               r"\['model\.layers\.3\.linear_attn\.A_log'\]")
+    # Without --family an unknown model_type is refused naming the ones that convert.
+    _write_hf(tmp_path / "llama", {**config, "model_type": "llama"}, tensors)
+    with pytest.raises(SystemExit, match=r"model_type 'llama' is none that converts; known: "
+                                         r".*'qwen3_5_text' \(qwen36\)"):
+        convert_hf.main(["--hf-dir", str(tmp_path / "llama"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
     # A GLM-5.2 model-format directory does not go back as Qwen3.6.
     with pytest.raises(SystemExit, match="holds a 'glm52' model, not qwen36"):
         convert_hf.main(["--family", "qwen36", "--hf-dir", str(tmp_path / "h"), "--out",

@@ -4,7 +4,11 @@
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2 --out glm52-ls --dtype bf16
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2-back --out glm52-ls --to-hf
     python tools/convert_hf.py --family qwen36 --hf-dir Qwen3.6-27B --out qwen36-ls --dtype bf16
-    python tools/convert_hf.py --family glm52 --hf-dir glm52-trained --out runs/ckpt --to-hf
+    python tools/convert_hf.py --hf-dir glm52-trained --out runs/ckpt --to-hf
+
+`--family` may be left out: it is then the source's (the Hugging Face config's `model_type`; with
+`--to-hf`, the family the model-format directory or training checkpoint records), and when given
+it is checked against the source.
 
 `--hf-dir` is always the Hugging Face directory (config.json + *.safetensors, sharded with
 model.safetensors.index.json or not) and `--out` the plugin-format directory
@@ -90,10 +94,13 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", required=True, choices=sorted(FAMILIES),
+    parser.add_argument("--family", default=None, choices=sorted(FAMILIES),
                         help="Model family (" + "; ".join(
                             f"{name}: model_type {' / '.join(f.hf.model_types)}, {f.hf.title}"
-                            for name, f in sorted(FAMILIES.items())) + ").")
+                            for name, f in sorted(FAMILIES.items())) + "). Default: the "
+                             "source's (the HF config's model_type; with --to-hf, the family "
+                             "the model-format directory or training checkpoint records); "
+                             "given, it is checked against the source.")
     parser.add_argument("--hf-dir", required=True, type=Path,
                         help="Hugging Face checkpoint directory (read; written with --to-hf).")
     parser.add_argument("--out", required=True, type=Path,
@@ -118,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    family = FAMILIES[args.family]
+    family = FAMILIES[args.family] if args.family else None
     dtype = model_format.DTYPES[args.dtype] if args.dtype else None
     try:
         if args.to_hf:

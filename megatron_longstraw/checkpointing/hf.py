@@ -87,6 +87,18 @@ def _check_model_type(family: Family, hf_cfg: dict, config_path: Path) -> None:
                           f"nothing else converts to --family {family.name}.")
 
 
+def family_of_hf_config(hf_cfg: dict, config_path: Path) -> Family:
+    """The family whose conversion reads `hf_cfg`'s model_type (the default of convert_hf.py's
+    --family)."""
+    model_type = hf_cfg.get("model_type")
+    found = [f for f in FAMILIES.values() if model_type in f.hf.model_types]
+    if not found:
+        known = ", ".join(f"{t!r} ({f.name})" for f in FAMILIES.values() for t in f.hf.model_types)
+        raise ConversionError(f"{config_path}: model_type {model_type!r} is none that converts; "
+                              f"known: {known}.")
+    return found[0]
+
+
 def _check_fp8_config(family: Family, hf_cfg: dict, where: Path, found: str) -> None:
     """Refuse FP8 tensors the family's conversion cannot keep, or another block layout."""
     if not family.hf.fp8_checkpoints:
@@ -104,12 +116,16 @@ def _check_fp8_config(family: Family, hf_cfg: dict, where: Path, found: str) -> 
                               f"{quant.get('fmt')!r}; only e4m3 FP8 is read.")
 
 
-def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype | None) -> dict:
-    """Hugging Face directory of `family` -> model format. Returns a summary."""
+def hf_to_longstraw(family: Family | None, hf_dir: Path, out: Path,
+                    dtype: torch.dtype | None) -> dict:
+    """Hugging Face directory of `family` (None: the family of its config's model_type) -> model
+    format. Returns a summary."""
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise ConversionError(f"{hf_dir} has no config.json.")
     hf_cfg = json.loads(config_path.read_text())
+    if family is None:
+        family = family_of_hf_config(hf_cfg, config_path)
     _check_model_type(family, hf_cfg, config_path)
     cfg = family.hf.config_from_hf(hf_cfg)
     if dtype is None:
@@ -181,17 +197,19 @@ def hf_to_longstraw(family: Family, hf_dir: Path, out: Path, dtype: torch.dtype 
                            source=str(hf_dir.resolve()),
                            # --to-hf restores what the model config does not carry (token ids).
                            extra_meta={"hf_config": hf_cfg, **fp8_meta})
-    return {"tensors": len(tensors), "skipped": len(hf) - len(scales) - len(on_disk),
+    return {"family": family.name, "tensors": len(tensors), "skipped": len(hf) - len(scales) - len(on_disk),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
 # ---- back to Hugging Face -----------------------------------------------------------------------
 
 
-def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.dtype | None,
-                    max_shard_bytes: int, fp8_mode: str = "keep") -> dict:
+def longstraw_to_hf(family: Family | None, model_dir: Path, hf_dir: Path,
+                    dtype: torch.dtype | None, max_shard_bytes: int,
+                    fp8_mode: str = "keep") -> dict:
     """Model format, or a training checkpoint (full parameters at any CP/EP layout, or LoRA
-    adapters, merged; export.py), -> Hugging Face directory of `family` (config.json +
+    adapters, merged; export.py), -> Hugging Face directory of `family` (None: the family the
+    source records) (config.json +
     safetensors shards). `fp8_mode`: "keep" writes the source's block-FP8 weights in FP8,
     "dequantize" in `dtype` (export.fp8_layout)."""
     import transformers
@@ -200,6 +218,11 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
 
     meta, tensors = export.read_weights(model_dir)
     tensors = export.fp8_layout(meta, tensors, fp8_mode)
+    if family is None:
+        if meta["family"] not in FAMILIES:
+            raise ConversionError(f"{model_dir} holds a {meta['family']!r} model; families: "
+                                  f"{', '.join(sorted(FAMILIES))}.")
+        family = FAMILIES[meta["family"]]
     if meta["family"] != family.name:
         raise ConversionError(f"{model_dir} holds a {meta['family']!r} model, not {family.name}.")
     cfg = family.config_class.from_dict(meta["model"])
@@ -289,7 +312,7 @@ def longstraw_to_hf(family: Family, model_dir: Path, hf_dir: Path, dtype: torch.
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"tensors": len(plan), "shards": len(shards), "bytes": total}
+    return {"family": family.name, "tensors": len(plan), "shards": len(shards), "bytes": total}
 
 
 def write_random_hf(family: Family, config, out: Path, seed: int = 0) -> dict:
