@@ -2,10 +2,10 @@
 
     python tools/demo_rl.py --out runs/demo-rl            (the defaults are docs/benchmarks.md's demo)
 
-The defaults are the recipe the sweep chose (tools/demo_rl_sweep.py, recipe G; docs/demo_rl_sweep.md)
-on its majority task (rewards.make_marker_task): each prompt is `--prompt-len` tokens of filler with
-marker tokens scattered through its first half only; one marker occurs more often than the others,
-and it is the answer. The last prompt token is the same question cue in every prompt, so nothing
+The defaults are the recipe the sweep chose (tools/demo_rl_sweep.py, recipe I;
+docs/demo_rl_sweep.md) on its majority task (rewards.make_marker_task): each prompt is
+`--prompt-len` tokens of filler with marker tokens scattered through its first half only; one
+marker occurs more often than the others, and it is the answer. The last prompt token is the same question cue in every prompt, so nothing
 near the end tells the answer: the policy must read it from the captured prompt state. Reward
 (`longstraw:marker_majority`): 1 when the response's first token is the majority marker.
 `--task copy | missing | first` runs the suite's other tasks (long_tasks.make_long_task).
@@ -114,8 +114,8 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
                            "best_blind: always answering the most frequent answer of the data"},
         "settings": {k: getattr(args, k) for k in (
             "config", "task", "prompt_len", "num_markers", "group_size", "batch", "steps", "lr",
-            "decoupled_lr", "prompt_grad", "num_prompts", "temperature", "dynamic_sampling",
-            "loss_aggregation", "parallel")},
+            "decoupled_lr", "lr_decay_style", "min_lr", "decoupled_min_lr", "prompt_grad",
+            "num_prompts", "temperature", "dynamic_sampling", "loss_aggregation", "parallel")},
         "criterion": check,
         "seeds": seeds,
         "summary": {f"{kind}_reward_{end}": spread([s[kind][f"reward_{end}"] for s in seeds])
@@ -252,9 +252,12 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
             "--longstraw-reward", REWARDS[args.task],
             "--longstraw-group-size", str(args.group_size), "--longstraw-max-new-tokens", "1",
             "--longstraw-temperature", str(args.temperature),
-            "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", "constant",
+            "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", args.lr_decay_style,
             "--clip-grad", "1.0", "--train-iters", str(args.steps),
             *(["--decoupled-lr", str(args.decoupled_lr)] if args.decoupled_lr else []),
+            *(["--min-lr", str(args.min_lr)] if args.min_lr else []),
+            *(["--decoupled-min-lr", str(args.decoupled_min_lr)]
+              if args.decoupled_lr and args.decoupled_min_lr else []),
             *(["--longstraw-dynamic-sampling", "--longstraw-dynamic-sampling-rounds",
                str(args.dynamic_sampling)] if args.dynamic_sampling else []),
             *(["--longstraw-loss-aggregation", args.loss_aggregation]
@@ -301,7 +304,7 @@ def parse_args(argv=None):
                    help="majority: rewards.make_marker_task; copy, missing, first: "
                         "long_tasks.make_long_task (the sweep's suite, docs/demo_rl_sweep.md).")
     p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4, help="Prompts per step (--global-batch-size).")
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -320,6 +323,12 @@ def parse_args(argv=None):
     p.add_argument("--decoupled-lr", type=float, default=5e-3,
                    help="Learning rate of the embedding and output layer (Megatron's "
                         "--decoupled-lr); 0: --lr for them too.")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"),
+                   default="cosine", help="Megatron's --lr-decay-style, over the run's steps.")
+    p.add_argument("--min-lr", type=float, default=1e-4,
+                   help="The model's lr at the end of a decay (Megatron's --min-lr).")
+    p.add_argument("--decoupled-min-lr", type=float, default=5e-4,
+                   help="The embedding and output layer's (Megatron's --decoupled-min-lr).")
     p.add_argument("--temperature", type=float, default=1.5,
                    help="Sampling temperature (the trained policy is the model's, temperature 1).")
     p.add_argument("--prompt-grad", choices=("detached", "exact"), default="detached",
