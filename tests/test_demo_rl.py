@@ -130,3 +130,9 @@ def test_the_sweep_table_comes_from_the_records():
     assert "| copy | 1 | 0.000 | 0.900 | 0.000 | 0.300 | run learns; control at chance |" in text
     assert "| copy | 2 | 0.000 | 0.400 | - | - | run FAILS; not run yet: control |" in text
     assert "No recipe chosen yet" in demo_rl_sweep.tables(records, chosen=None)
+    # a recipe besides the chosen one gets its own task x seed table once it ran more than
+    # screening (here a control); one that ran seed 1 only does not
+    assert "## Recipe B" not in text
+    text = demo_rl_sweep.tables(records + [record("B", "copy", 1, "control", 0.5)], chosen="A")
+    assert "## Recipe B" in text and "| copy | 1 | 0.000 | 0.200 | 0.000 | 0.500 | run FAILS; " \
+                                      "control FAILS |" in text

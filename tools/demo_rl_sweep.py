@@ -82,9 +82,14 @@ def run(args) -> None:
         subprocess.run(argv, env=env, cwd=ROOT, check=False)
 
 
+def _key(r: dict) -> tuple:
+    return r["recipe"], r["task"], r["seed"], r["kind"]
+
+
 def collect() -> list[dict]:
-    """One record per (recipe, task, seed, kind) from the sweep's receipts."""
-    records = []
+    """One record per (recipe, task, seed, kind) from the sweep's receipts (a seed run twice, in
+    screening and with the other seeds: the later folder's, in name order)."""
+    records = {}
     for path in sorted(SWEEP.glob("*/receipt.json")):
         receipt = json.loads(path.read_text())
         recipe = path.parent.name.split("-")[0]
@@ -93,38 +98,29 @@ def collect() -> list[dict]:
                 figures = s.get(kind)
                 if figures is None:
                     continue
-                records.append({"recipe": recipe, "task": receipt["task"]["task"],
-                                "seed": s["seed"], "kind": kind, "folder": path.parent.name,
-                                "chance": receipt["chance"]["marker"],
-                                "settings": receipt["settings"],
-                                **{k: figures[k] for k in ("reward_start", "reward_end",
-                                                           "steps", "curve")}})
-    return records
+                record = {"recipe": recipe, "task": receipt["task"]["task"],
+                          "seed": s["seed"], "kind": kind, "folder": path.parent.name,
+                          "chance": receipt["chance"]["marker"],
+                          "settings": receipt["settings"],
+                          **{k: figures[k] for k in ("reward_start", "reward_end",
+                                                     "steps", "curve")}}
+                records[_key(record)] = record
+    return list(records.values())
 
 
 def _find(records, recipe, task, seed, kind):
-    found = [r for r in records if (r["recipe"], r["task"], r["seed"], r["kind"]) ==
-             (recipe, task, seed, kind)]
+    found = [r for r in records if _key(r) == (recipe, task, seed, kind)]
     return found[-1] if found else None
 
 
-def tables(records: list[dict], chosen: str | None = CHOSEN) -> str:
-    out = ["## Screening: recipe x task (seed 1, run only)", "",
-           "| recipe | task | start | end | steps |", "|---|---|---:|---:|---:|"]
-    for r in records:
-        if r["seed"] == 1 and r["kind"] == "run":
-            out.append(f"| {r['recipe']} | {r['task']} | {r['reward_start']:.3f} | "
-                       f"{r['reward_end']:.3f} | {r['steps']} |")
-    if chosen is None:
-        return "\n".join(out + ["", "No recipe chosen yet: none has learned every task on seed 1 "
-                                     "(docs/demo_rl_sweep.md)."])
-    out += ["", f"## The chosen recipe ({chosen}): task x seed, run vs control", "",
-            "| task | seed | run start | run end | control start | control end | criterion |",
-            "|---|---:|---:|---:|---:|---:|---|"]
-    picked = [r for r in records if r["recipe"] == chosen and r["task"] in SUITE]
+def _seed_table(records: list[dict], recipe: str, tasks) -> list[str]:
+    """Task x seed, run vs control, with the criterion's verdict per seed."""
+    out = ["| task | seed | run start | run end | control start | control end | criterion |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    picked = [r for r in records if r["recipe"] == recipe and r["task"] in tasks]
     for task in dict.fromkeys(r["task"] for r in picked):
         for seed in sorted({r["seed"] for r in picked if r["task"] == task}):
-            run_, control = (_find(records, chosen, task, seed, k) for k in ("run", "control"))
+            run_, control = (_find(records, recipe, task, seed, k) for k in ("run", "control"))
             chance = (run_ or control)["chance"]
             cells, verdict = [], []
             for figures in (run_, control):
@@ -140,6 +136,28 @@ def tables(records: list[dict], chosen: str | None = CHOSEN) -> str:
                 verdict.append("not run yet: " + ", ".join(
                     k for k, f in (("run", run_), ("control", control)) if f is None))
             out.append(f"| {task} | {seed} | {' | '.join(cells)} | {'; '.join(verdict)} |")
+    return out
+
+
+def tables(records: list[dict], chosen: str | None = CHOSEN) -> str:
+    out = ["## Screening: recipe x task (seed 1, run only)", "",
+           "| recipe | task | start | end | steps |", "|---|---|---:|---:|---:|"]
+    for r in records:
+        if r["seed"] == 1 and r["kind"] == "run":
+            out.append(f"| {r['recipe']} | {r['task']} | {r['reward_start']:.3f} | "
+                       f"{r['reward_end']:.3f} | {r['steps']} |")
+    if chosen is None:
+        return "\n".join(out + ["", "No recipe chosen yet: none has learned every task on seed 1 "
+                                     "(docs/demo_rl_sweep.md)."])
+    out += ["", f"## The chosen recipe ({chosen}): task x seed, run vs control", "",
+            *_seed_table(records, chosen, SUITE)]
+    # the other recipes that ran more than screening (other seeds, or controls)
+    for recipe in dict.fromkeys(r["recipe"] for r in records):
+        if recipe != chosen and any(r["recipe"] == recipe and (r["seed"] != 1 or
+                                                               r["kind"] == "control")
+                                    for r in records):
+            out += ["", f"## Recipe {recipe}: task x seed, run vs control", "",
+                    *_seed_table(records, recipe, SUITE)]
     return "\n".join(out)
 
 
@@ -149,10 +167,9 @@ def table(args) -> None:
     # another machine's or session's sweep) are kept; a run here replaces its old record
     saved = DOCS / "demo_rl_sweep.json"
     if saved.exists():
-        key = lambda r: (r["recipe"], r["task"], r["seed"], r["kind"])
-        here = {key(r) for r in records}
+        here = {_key(r) for r in records}
         records = [r for r in json.loads(saved.read_text())["records"]
-                   if key(r) not in here] + records
+                   if _key(r) not in here] + records
     chosen = args.chosen or CHOSEN
     DOCS.mkdir(exist_ok=True)
     (DOCS / "demo_rl_sweep.json").write_text(json.dumps(
