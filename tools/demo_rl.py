@@ -5,9 +5,10 @@
 The defaults are the recipe the sweep chose (tools/demo_rl_sweep.py, recipe I;
 docs/demo_rl_sweep.md) on its majority task (rewards.make_marker_task): each prompt is
 `--prompt-len` tokens of filler with marker tokens scattered through its first half only; one
-marker occurs more often than the others, and it is the answer. The last prompt token is the same question cue in every prompt, so nothing
-near the end tells the answer: the policy must read it from the captured prompt state. Reward
-(`longstraw:marker_majority`): 1 when the response's first token is the majority marker.
+marker occurs more often than the others, and it is the answer. The last prompt token is the
+same question cue in every prompt, so nothing near the end tells the answer: the policy must read
+it from the captured prompt state. Reward (`longstraw:marker_majority`): 1 when the response's
+first token is the majority marker.
 `--task copy | missing | first` runs the suite's other tasks (long_tasks.make_long_task).
 
 For every seed, two online GRPO runs through the launcher (`--longstraw-rollout online`, tiny
@@ -252,8 +253,9 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
             "--longstraw-reward", REWARDS[args.task],
             "--longstraw-group-size", str(args.group_size), "--longstraw-max-new-tokens", "1",
             "--longstraw-temperature", str(args.temperature),
-            "--longstraw-dtype", "fp32", "--lr", str(args.lr), "--lr-decay-style", args.lr_decay_style,
-            "--clip-grad", "1.0", "--train-iters", str(args.steps),
+            "--longstraw-dtype", "fp32", "--lr", str(args.lr),
+            "--lr-decay-style", args.lr_decay_style, "--clip-grad", "1.0",
+            "--train-iters", str(args.steps),
             *(["--decoupled-lr", str(args.decoupled_lr)] if args.decoupled_lr else []),
             *(["--min-lr", str(args.min_lr)] if args.min_lr else []),
             *(["--decoupled-min-lr", str(args.decoupled_min_lr)]

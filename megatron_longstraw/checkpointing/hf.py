@@ -197,7 +197,8 @@ def hf_to_longstraw(family: Family | None, hf_dir: Path, out: Path,
                            source=str(hf_dir.resolve()),
                            # --to-hf restores what the model config does not carry (token ids).
                            extra_meta={"hf_config": hf_cfg, **fp8_meta})
-    return {"family": family.name, "tensors": len(tensors), "skipped": len(hf) - len(scales) - len(on_disk),
+    return {"family": family.name, "tensors": len(tensors),
+            "skipped": len(hf) - len(scales) - len(on_disk),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
