@@ -5,12 +5,15 @@ blocks of 64 over the *flattened* weight and packs two 4-bit codes per byte in t
 `QuantState` records `shape = w.shape`. Its dequantize has several kernels, and they do not all
 agree on that layout (bitsandbytes 0.50.2, torch 2.14.1):
 
-- CUDA, and the generic ("default") kernel that runs on CPUs without AVX-512: blocks over the
-  flattened weight, the layout the quantiser wrote. Right.
-- The native CPU kernel, registered when torch's CPU capability is AVX512: it forms the blocks
-  along each row of `shape` (m rows x n columns). When n is not a multiple of 64 the blocks do not
-  line up with the quantiser's; a `[96, 32]` weight comes back with a per-block error of 1.07 x
-  its absmax (nearest-code rounding allows 0.152). `matmul_4bit` reaches the same kernel on CPU.
+- CUDA, and the generic ("default") kernel, which runs where bitsandbytes registers no native
+  CPU kernel: blocks over the flattened weight, the layout the quantiser wrote. Right.
+- The native CPU kernel (`libbitsandbytes_cpu`, registered whenever that library loads) picks its
+  code path by the CPU at run time. Without AVX-512 it forms the blocks over the flattened weight:
+  right. With AVX-512 it forms them along each row of `shape` (m rows x n columns): when n is not
+  a multiple of 64 the blocks do not line up with the quantiser's, and a `[96, 32]` weight comes
+  back with a per-block error of 1.07 x its absmax (nearest-code rounding allows 0.152).
+  `matmul_4bit` reaches the same kernel on CPU. `native_layout()` probes which one this machine
+  has.
 
 This module therefore dequantises the flattened weight as one row, `shape = [1, numel]`, where
 every kernel forms the same blocks, and reshapes the result. The packed bytes and the `QuantState`
@@ -74,6 +77,50 @@ def _path(path: str | None) -> str:
     return path
 
 
+def has_native_cpu_kernel() -> bool:
+    """bitsandbytes registered its native CPU dequantize (its CPU library loaded); otherwise its
+    generic kernel runs on CPU."""
+    _functional()
+    return torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::dequantize_4bit", "CPU")
+
+
+def _native_dequantize(packed: torch.Tensor, state) -> torch.Tensor:
+    """bitsandbytes' `dequantize_4bit` as its users call it: the kernel registered for the
+    tensors' device, blocks formed as that kernel forms them for `state.shape`."""
+    return _functional().dequantize_4bit(packed, state)
+
+
+NATIVE_LAYOUTS = ("none", "flattened", "row-blocked", "wrong")
+_LAYOUT_WORDS = {
+    "none": "no native CPU kernel: its generic kernel",
+    "flattened": "native CPU kernel, blocks over the flattened weight (its non-AVX-512 path)",
+    "row-blocked": "native CPU kernel, blocks along each row of the weight's shape (its AVX-512 "
+                   "path)",
+    "wrong": "native CPU kernel, wrong for the flattened weight too",
+}
+
+
+def native_layout() -> str:
+    """What bitsandbytes' CPU dequantize does with a weight's own 2-D shape, probed on a [96, 32]
+    weight (rows of half a block): "none" (no native kernel: the generic one, flattened),
+    "flattened" (the native kernel forms the quantiser's blocks), "row-blocked" (it forms them
+    along each row; the flattened `[1, numel]` call `dequantize` makes is right), or "wrong"
+    (even that call differs from the generic dequantise: `check_round_trip` refuses every weight).
+    A few milliseconds; for messages, receipts and tests, never on the hot path."""
+    if not has_native_cpu_kernel():
+        return "none"
+    weight = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
+    packed, state = quantize(weight, check=False)
+    expected = _dequantize_generic(packed, state)
+    if torch.equal(_native_dequantize(packed, state), expected):
+        return "flattened"
+    flat = copy.copy(state)
+    flat.shape = torch.Size([1, state.shape.numel()])
+    if torch.equal(_native_dequantize(packed, flat).reshape(state.shape), expected):
+        return "row-blocked"
+    return "wrong"
+
+
 def describe_path(device: torch.device | str, path: str | None = None) -> str:
     """The kernel `dequantize` runs for tensors on `device`, in words (for errors and receipts)."""
     if _path(path) == "generic":
@@ -82,9 +129,8 @@ def describe_path(device: torch.device | str, path: str | None = None) -> str:
     if device.type != "cpu":
         return f"bitsandbytes {device.type} kernel"
     capability = torch.backends.cpu.get_cpu_capability()
-    native = torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::dequantize_4bit", "CPU")
-    kind = "native CPU kernel" if native else "generic kernel"
-    return f"bitsandbytes {kind}, flattened layout (torch CPU capability {capability})"
+    return (f"bitsandbytes {_LAYOUT_WORDS[native_layout()]}; called with the flattened layout "
+            f"(torch CPU capability {capability})")
 
 
 def quantize(weight: torch.Tensor, name: str = "weight", check: bool = True):
@@ -131,10 +177,10 @@ def dequantize(packed: torch.Tensor, state, path: str | None = None) -> torch.Te
     if _path(path) == "generic":
         return _dequantize_generic(packed, state)
     if packed.device.type != "cpu":
-        return _functional().dequantize_4bit(packed, state)
+        return _native_dequantize(packed, state)
     flat = copy.copy(state)   # shallow: shares absmax, code and the nested state
     flat.shape = torch.Size([1, state.shape.numel()])
-    return _functional().dequantize_4bit(packed, flat).reshape(state.shape)
+    return _native_dequantize(packed, flat).reshape(state.shape)
 
 
 def check_round_trip(name: str, weight: torch.Tensor, packed: torch.Tensor, state,
