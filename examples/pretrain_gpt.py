@@ -17,7 +17,13 @@ fit: megatron_longstraw/runtime/errors.py) ends the run with one line naming the
 once by rank 0, and exit code 2; anything else is a bug and keeps its traceback.
 """
 
-from megatron_longstraw.training.train import cli
+# First, before the heavy imports: under torchrun, a worker whose launcher dies stops, even while
+# it still imports (megatron_longstraw/runtime/parent_watch.py).
+from megatron_longstraw.runtime.parent_watch import watch_parent
+
+watch_parent()
+
+from megatron_longstraw.training.train import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli()

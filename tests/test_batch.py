@@ -4,7 +4,6 @@ log-probs of a plain full-sequence forward of the same weights."""
 
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from megatron_longstraw.training import train
 from megatron_longstraw.data.groups import read_groups, synthetic_group, write_groups
+import processes
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -63,10 +63,10 @@ def _init(tmp_path: Path, flags) -> tuple[Path, dict]:
 
 
 def _torchrun(tmp_path: Path, flags: list[str]) -> str:
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
          str(ROOT / "examples" / "pretrain_gpt.py"), *flags],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

@@ -22,6 +22,7 @@ from megatron_longstraw.checkpointing import model_format
 from megatron_longstraw.checkpointing.hf import hf_weight_files
 from megatron_longstraw.models.deepseekv3.hf import hf_config
 from test_deepseekv3 import TOL, tiny_config, upcast_reference
+import processes
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -189,14 +190,13 @@ def test_score_tool_equals_transformers(hf_checkpoint, converted, tmp_path, monk
 def test_launcher_runs_one_step(tmp_path):
     """examples/pretrain_gpt.py on one process with the tiny DeepSeek-V3: the step runs and the
     receipt's pages are latent rows only."""
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "pretrain_gpt.py"),
          "--longstraw", "--longstraw-family", "deepseekv3", "--longstraw-config", str(TINY),
          "--train-iters", "1", "--longstraw-synthetic-prompt-len", "256",
          "--longstraw-synthetic-response-len", "8", "--longstraw-group-size", "2",
          "--tensorboard-dir", str(tmp_path / "tb"), "--longstraw-out-dir", str(tmp_path),
-         "--longstraw-run-name", "t"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+         "--longstraw-run-name", "t"], cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"step\s+0 \| loss", out.stdout)

@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from megatron_longstraw.runtime import errors
 from megatron_longstraw.training import train
 from megatron_longstraw.training.metrics import configure_logging
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -33,13 +33,12 @@ def _torchrun(tmp_path: Path, name: str, *flags: str) -> tuple[list[str], list[s
     with its own ChildFailedError traceback whenever a worker fails; the workers' output is kept
     apart from it (--redirects, one log folder per rank)."""
     logs = tmp_path / f"logs-{name}"
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
          "--log-dir", str(logs), "--redirects", "3", str(ROOT / "examples" / "pretrain_gpt.py"),
          "--longstraw", "--longstraw-config", TINY, "--context-parallel-size", "2",
          "--expert-model-parallel-size", "2", "--train-iters", "1", "--longstraw-group-size", "2",
-         "--longstraw-out-dir", str(tmp_path / "runs"), *flags],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+         "--longstraw-out-dir", str(tmp_path / "runs"), *flags], cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1"})
     ranks = []

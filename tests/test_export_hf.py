@@ -12,7 +12,6 @@ transformers' float32 islands are upcast by `_upcast_reference`; what remains is
 """
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from megatron_longstraw.checkpointing import model_format
 from test_convert_hf import _convert, convert_hf, hf_checkpoint  # noqa: F401 (fixture)
 from test_glm52_hf import TOL, _upcast_reference
 from test_score import load_score_tool
+import processes
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -31,10 +31,10 @@ PROMPT_LEN, RESPONSE_LEN = 80, 16
 
 
 def _torchrun(nproc: int, flags: list[str]) -> str:
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
          str(ROOT / "examples" / "pretrain_gpt.py"), "--longstraw", *flags],
-        capture_output=True, text=True, cwd=ROOT, timeout=400,
+        cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

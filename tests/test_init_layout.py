@@ -11,7 +11,6 @@ partial gradients in another order (CP's log-sum-exp merges and gradient sums); 
 initial weight moves the norm by percents."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 import dist_workers_init
 from distributed import run_ranks
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_initial_weights_equal_across_layouts(family):
 def _demo_grad_norm(tmp_path: Path, nproc: int) -> float:
     """The Makefile's demo command (glm52, CP = EP = nproc, seed 1234, G = 4) on a 1024-token
     prompt: the step's gradient norm from the receipt."""
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
          str(ROOT / "examples" / "pretrain_gpt.py"), "--longstraw",
          "--context-parallel-size", str(nproc), "--expert-model-parallel-size", str(nproc),
@@ -55,7 +55,7 @@ def _demo_grad_norm(tmp_path: Path, nproc: int) -> float:
          "--longstraw-group-size", "4", "--longstraw-config", "examples/glm52/tiny.yaml",
          "--longstraw-synthetic-prompt-len", "1024", "--longstraw-out-dir", str(tmp_path),
          "--longstraw-run-name", f"n{nproc}", "--tensorboard-dir", str(tmp_path / f"tb{nproc}")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_longstraw.training import train
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -184,12 +185,11 @@ def test_slurm_scripts_are_valid_bash_and_parse(script, family, cp, ep):
 def _launch(tmp_path, *flags: str) -> tuple[str, dict]:
     """examples/pretrain_gpt.py on one process, one step unless `flags` say otherwise (the last
     occurrence of a flag wins): (stdout, receipt of run "t")."""
-    out = subprocess.run(
+    out = processes.run(
         [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "pretrain_gpt.py"),
          "--longstraw", "--train-iters", "1", "--longstraw-synthetic-response-len", "8",
          "--longstraw-group-size", "2", "--tensorboard-dir", str(tmp_path / "tb"),
-         "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t", *flags],  # flags win
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+         "--longstraw-out-dir", str(tmp_path), "--longstraw-run-name", "t", *flags],  # flags win, cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert any((tmp_path / "tb").iterdir())  # TensorBoard event file written

@@ -12,6 +12,7 @@ import torch
 
 from megatron_longstraw.training import train
 from megatron_longstraw.rollout.rewards import make_marker_task
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "qwen36" / "tiny.yaml")
@@ -138,8 +139,6 @@ def test_online_under_cp2_ep2_equals_one_process(tmp_path, monkeypatch):
     """GLM-5.2 (DSA, MoE) on two gloo ranks, CP2/EP2 through torchrun, from the same initial
     weights as one process: the same samples (decode under CP), so the same rewards (a reward
     that varies with the sampled token) and loss, and decode equals scoring."""
-    import subprocess
-
     from megatron_longstraw.checkpointing import model_format
     from megatron_longstraw.runtime import precision
     from megatron_longstraw.models.registry import get_family
@@ -162,11 +161,11 @@ def test_online_under_cp2_ep2_equals_one_process(tmp_path, monkeypatch):
     model_format.save_model(tmp_path / "init", get_family(family).build(model_cfg, dtype, 1),
                             family="glm52")
     one = train.main(flags("one"))
-    run = subprocess.run(
+    run = processes.run(
         [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
          str(ROOT / "examples" / "pretrain_gpt.py"), *flags("cp2"), "--context-parallel-size", "2",
          "--expert-model-parallel-size", "2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]

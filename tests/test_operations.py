@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_longstraw.training import schedule, train
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "glm52" / "tiny.yaml")
@@ -223,39 +224,33 @@ def _torchrun(tmp_path: Path, name: str, *flags: str, signal_after_step: int | N
     once rank 0 logged that step."""
     import os
     import signal
-    import subprocess
-    import time
 
     logs = tmp_path / f"logs-{name}"
-    proc = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
+    job = processes.Job(
+        [processes.TORCHRUN, "--standalone", "--nproc-per-node", "2",
          "--log-dir", str(logs), "--redirects", "3", str(ROOT / "examples" / "pretrain_gpt.py"),
          *_flags(tmp_path / name, "--context-parallel-size", "2",
                  "--expert-model-parallel-size", "2", "--train-iters", "4", "--lr", "1e-2",
                  "--exit-signal-handler", *flags)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        merge_stderr=True, cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1"})
 
     def rank0() -> str:
         return "".join(p.read_text() for p in sorted(logs.glob("*/attempt_0/0/stdout.log")))
 
-    try:
+    with job:
         if signal_after_step is not None:
-            deadline = time.time() + 120
-            while f"step {signal_after_step:5d} |" not in rank0():
-                assert proc.poll() is None and time.time() < deadline, rank0()[-2000:]
-                time.sleep(0.05)
+            job.wait_for(lambda: f"step {signal_after_step:5d} |" in rank0(),
+                         f"rank 0 to log step {signal_after_step}",
+                         watch_files=lambda: logs.glob("*/attempt_0/*/*.log"))
             workers = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
-                       and _ppid(d) == proc.pid]
+                       and _ppid(d) == job.pid]
             assert len(workers) == 2, workers
             for pid in workers:
                 os.kill(pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, rank0(), out
+        code = job.wait()
+        return code, rank0(), job.stdout
 
 
 def _ppid(proc_dir: Path) -> int | None:

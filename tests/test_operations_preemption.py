@@ -9,9 +9,9 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
+import processes
 from megatron_longstraw.checkpointing import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +34,8 @@ def _run(tmp_path: Path, name: str, shutdown: int):
     4096 tokens: steps of seconds), SIGTERM to torchrun as soon as step 0 is logged, i.e.
     at the start of step 1. -> (torchrun's exit code, its output, rank 0's log, save folder)."""
     logs, ckpt = tmp_path / f"logs-{name}", tmp_path / f"ckpt-{name}"
-    proc = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
+    job = processes.Job(
+        [processes.TORCHRUN, "--standalone", "--nproc-per-node", "2",
          "--shutdown-timeout", str(shutdown), "--log-dir", str(logs), "--redirects", "3",
          str(ROOT / "examples" / "pretrain_gpt.py"), "--longstraw", "--longstraw-config", TINY,
          "--context-parallel-size", "2", "--expert-model-parallel-size", "2",
@@ -44,24 +44,19 @@ def _run(tmp_path: Path, name: str, shutdown: int):
          "--longstraw-out-dir", str(tmp_path / name), "--longstraw-run-name", "t",
          "--no-longstraw-live-bytes", "--exit-signal-handler", "--save", str(ckpt),
          "--save-interval", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        merge_stderr=True, cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore",
              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
     def rank0() -> str:
         return "".join(p.read_text() for p in sorted(logs.glob("*/attempt_0/0/stdout.log")))
 
-    try:
-        deadline = time.time() + 240
-        while not re.search(r"^step +0 \|", rank0(), re.M):
-            assert proc.poll() is None and time.time() < deadline, rank0()[-2000:]
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out, rank0(), ckpt
+    with job:
+        job.wait_for(lambda: re.search(r"^step +0 \|", rank0(), re.M), "rank 0 to log step 0",
+                     watch_files=lambda: logs.glob("*/attempt_0/*/*.log"))
+        os.kill(job.pid, signal.SIGTERM)
+        code = job.wait()
+        return code, job.stdout, rank0(), ckpt
 
 
 def test_sigterm_to_torchrun_mid_step_saves_and_the_job_exits_0(tmp_path):

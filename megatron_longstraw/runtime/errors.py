@@ -43,6 +43,8 @@ import os
 import sys
 import time
 
+from megatron_longstraw.runtime import parent_watch
+
 PEER_WAIT_S = 15.0
 """How long a rank other than 0 waits for rank 0 to post its error before deciding that its own
 error is rank-local (and printing it); also how long a rank stopped by another rank's failure
@@ -116,6 +118,10 @@ def run_entry(main, *args, **kwargs):
         report(exc)
         _error_file(exc)
         sys.exit(EXIT_USER_ERROR)
+    except BaseException:
+        if parent_watch.orphaned():   # the launcher's end surfaced as this error: say that
+            parent_watch.exit_orphaned()
+        raise
 
 
 def _error_file(exc: BaseException) -> None:
