@@ -6,7 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 demo-rl test bench gradient-bias refresh-pins clean
+.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 demo-rl test test-under-load bench gradient-bias \
+	refresh-pins clean
 
 # Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
 # what the last green run had. `make refresh-pins` moves the pins forward.
@@ -78,6 +79,16 @@ demo-rl: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:warnings --durations=25 tests
+
+# For developers, before a change to the multi-process tests lands: those tests (torchrun,
+# signals, the parent watch) REPEAT times in a row with every core busy with other work
+# (tools/under_load.py; docs/usage.md "Testing under load"). LOAD_TESTS=tests runs the suite.
+LOAD_TESTS ?= tests/test_online.py::test_online_under_cp2_ep2_equals_one_process \
+	tests/test_operations.py::test_sigterm_saves_exits_0_and_the_resume_matches_an_uninterrupted_run \
+	tests/test_operations_preemption.py tests/test_parent_watch.py
+REPEAT ?= 5
+test-under-load: $(VENV)/.installed
+	$(PY) tools/under_load.py --repeat $(REPEAT) -- $(PY) -m pytest -q -p no:warnings $(LOAD_TESTS)
 
 # The measured largest-P table (docs/benchmarks.md): LongStraw at P = 4K..128K and conventional GRPO
 # until it passes a 2.5 GiB RSS cap, one process each, bench-size GLM-5.2 (examples/glm52/bench.yaml),

@@ -49,7 +49,7 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
                           f"expert-parallel size (--expert-model-parallel-size "
                           f"{expert_parallel_size}).")
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        _destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
@@ -59,6 +59,22 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
     )
     apply_timeout(timeout)
     platform.manual_seed(seed)
+
+
+def _destroy_model_parallel() -> None:
+    """Megatron's `destroy_model_parallel` forgets its groups without ending them, and each gloo
+    group keeps two threads per peer: a process that initialises again and again (the tests,
+    tools that build several layouts) collected thousands of threads. Its groups are destroyed
+    here too (`destroy_process_group(group)` is local: no collective), the default group kept."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = {g for g in (ps._global_process_group_list or []) if g is not None
+              and g is not dist.group.WORLD}
+    ps.destroy_model_parallel()          # (it ends a few itself: those are skipped)
+    for group in groups:
+        if group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
 
 
 def apply_timeout(timeout: datetime.timedelta) -> list:
