@@ -12,7 +12,10 @@ response tokens and scalar reward ``r_i``::
 weight (default 1): the engine-trainer importance weight of offpolicy.py (truncated or masked
 pi_old / pi_engine) when the responses came from an inference engine that reported its
 log-probs. It multiplies the policy term only; the KL term is the trainer's own and unweighted.
-The ``1/R_i`` divisor stays R_i (every token, masked ones included), as in TIS / MIS.
+It changes no divisor: a token whose ``w_it`` is 0 (masked importance sampling drops it: its two
+log-probs disagree) loses its policy term but still counts in ``R_i`` (and in ``T`` under
+token_mean), as in TIS / MIS. A loss mask is another thing (below): an untrained token leaves the
+divisors too.
 
 Divisors. The loss is a mean over members (``1/G``) of per-member token means
 (``1/R_i``). Because the prompt is huge, members are processed one at a time

@@ -1,10 +1,9 @@
-"""NVIDIA apex fused optimizer and norms (https://github.com/NVIDIA/apex; never the PyPI `apex`).
+"""NVIDIA apex fused optimizer (https://github.com/NVIDIA/apex; never the PyPI `apex`).
 
 Upstream: `apex.optimizers.FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999),
 eps=1e-8, adam_w_mode=True, weight_decay=0.0, ...)` (adam_w_mode=True: decoupled weight decay, i.e.
-torch.optim.AdamW's update) and `apex.normalization.FusedRMSNorm(normalized_shape, eps=1e-5,
-elementwise_affine=True)`. Both need apex built with its CUDA extensions (`APEX_CUDA_EXT=1`).
-The references are `torch.optim.AdamW` and `torch.nn.RMSNorm` (same arguments, same math).
+torch.optim.AdamW's update). It needs apex built with its CUDA extensions (`APEX_CUDA_EXT=1`).
+The reference is `torch.optim.AdamW` (same arguments, same math).
 """
 
 from __future__ import annotations
@@ -39,12 +38,3 @@ def optimizer_class() -> type:
     from apex.optimizers import FusedAdam
 
     return FusedAdam
-
-
-def rms_norm_class() -> type:
-    """`apex.normalization.FusedRMSNorm` (same constructor arguments as torch.nn.RMSNorm's
-    `normalized_shape, eps, elementwise_affine`)."""
-    _require_cuda_extensions()
-    from apex.normalization import FusedRMSNorm
-
-    return FusedRMSNorm

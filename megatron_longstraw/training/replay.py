@@ -290,11 +290,6 @@ def _forward_blocks(model, captured: CapturedPrompt, blocks: list[Branch], cfg: 
     return kept, logps, chosen
 
 
-def gather_member(values: torch.Tensor, branch: Branch, captured: CapturedPrompt) -> torch.Tensor:
-    """This rank's rows [c] -> the whole member [R] on every rank (no autograd)."""
-    return collectives.gather_tensor(values.detach(), captured.layout)[:branch.length]
-
-
 def _gather_blocks(values: list[torch.Tensor], blocks: list[Branch],
                    captured: CapturedPrompt) -> torch.Tensor:
     """Per block this rank's rows [c_b] -> the whole member [R] on every rank (no autograd)."""

@@ -125,11 +125,6 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
         yield result
 
 
-def score_groups(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10) -> list[dict]:
-    """Per-group results of `iter_scores` as a list."""
-    return list(iter_scores(model, groups, cfg, threshold, num_worst))
-
-
 def agreed_records(records, layout):
     """Yield records; under CP the ranks first agree that they read the same group (or the same
     end of file), and a rank that failed to read takes every rank down with its message."""
