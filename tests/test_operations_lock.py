@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from megatron_longstraw.checkpointing.save_lock import LOCK, SaveLock
 from megatron_longstraw.runtime.errors import CheckpointError
 
@@ -109,24 +110,19 @@ def test_a_worker_whose_torchrun_died_stops(tmp_path):
     its parent changed and exits with one line instead of running on."""
     script, ready = tmp_path / "worker.py", tmp_path / "ready"
     script.write_text(ORPHAN.format(root=str(ROOT), ready=str(ready)))
-    err = open(tmp_path / "worker.err", "w")
-    torchrun = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "1",
-         "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(script)],
-        stdout=subprocess.DEVNULL, stderr=err, env={"PATH": "/usr/bin:/bin", **{
-            k: v for k, v in os.environ.items() if k in ("TORCHDYNAMO_DISABLE",)}})
-    deadline = time.time() + 120
-    while not ready.exists() or not ready.read_text():
-        assert torchrun.poll() is None and time.time() < deadline
-        time.sleep(0.1)
-    worker = int(ready.read_text())
-    os.kill(torchrun.pid, signal.SIGKILL)
-    torchrun.wait()
-    err.close()
-    deadline = time.time() + 10
-    while _alive(worker):
-        assert time.time() < deadline, "the orphaned worker runs on"
-        time.sleep(0.1)
+    with processes.Job(
+            [processes.TORCHRUN, "--standalone", "--nproc-per-node", "1",
+             "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(script)],
+            env={"PATH": "/usr/bin:/bin", **{k: v for k, v in os.environ.items()
+                                             if k in ("TORCHDYNAMO_DISABLE",)}}) as torchrun:
+        torchrun.wait_for(lambda: ready.exists() and ready.read_text(), "the worker to start")
+        worker = int(ready.read_text())
+        os.kill(torchrun.pid, signal.SIGKILL)
+        torchrun.proc.wait()
+        deadline = time.time() + 10
+        while _alive(worker):
+            assert time.time() < deadline, "the orphaned worker runs on"
+            time.sleep(0.1)
     logged = "".join(p.read_text() for p in (tmp_path / "logs").glob("*/attempt_0/0/stderr.log"))
     assert f"the launcher (torchrun, pid {torchrun.pid}) is gone; this worker stops" in logged
 
