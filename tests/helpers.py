@@ -1,6 +1,7 @@
 """Shared builders for the tests: the tiny GLM-5.2 example config, models with reproducible random
-weights (router correction bias included), and full-sequence references built without the
-capture/replay code."""
+weights (router correction bias included), and the comparison of scoring against the full-sequence
+reference (`full_sequence_logprobs`, megatron_longstraw/models/reference.py: no capture, no
+replay), which the tests import from here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from megatron_longstraw.runtime import precision
 from megatron_longstraw.models.glm52.config import GLM52Config
+from megatron_longstraw.models.reference import full_sequence_logprobs  # noqa: F401
 from megatron_longstraw.runtime.platform import manual_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,35 +80,3 @@ def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[di
             worst = max(worst, (logp - ref).abs().max().item())
             selections.append(used)
     return worst, selections
-
-
-def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor,
-                           detach_prompt_state: bool = False) -> torch.Tensor:
-    """Log-probs [R] of `response` after `prompt` from one plain Megatron forward of the whole
-    sequence (no LongStraw pass given; gradients follow autograd's defaults).
-
-    detach_prompt_state: detach, at every layer, the MLA latent rows `[kv_norm(c_kv); rope(k_pe)]`
-    of the tokens before the prompt's last one, i.e. the state LongStraw captures: the
-    `linear_kv_down_proj` output rows (k_pe) and the `kv_layernorm` output rows (c_kv). The indexer
-    runs without autograd anyway, so this is exactly the conditional gradient at fixed prompt state.
-    """
-    ids = torch.cat([prompt, response])
-    num_captured = prompt.numel() - 1
-    hooks = []
-    if detach_prompt_state:
-        def detach_rows(module, args, output):
-            if isinstance(output, tuple):  # Megatron linear: (output [s, 1, n], bias)
-                out, bias = output
-                return torch.cat([out[:num_captured].detach(), out[num_captured:]]), bias
-            return torch.cat([output[:num_captured].detach(), output[num_captured:]])
-        for name, module in model.named_modules():
-            if name.endswith("linear_kv_down_proj") or name.endswith("kv_layernorm"):
-                hooks.append(module.register_forward_hook(detach_rows))
-    try:
-        logits = model(ids[None], None, None)[0]                # [S, V]
-    finally:
-        for hook in hooks:
-            hook.remove()
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    start = prompt.numel() - 1
-    return logp[start:start + response.numel()].gather(-1, response[:, None]).squeeze(-1)

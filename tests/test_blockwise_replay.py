@@ -3,7 +3,7 @@ scored and replayed block by block, its earlier blocks' state in host pages and 
 walking the blocks in reverse. The same numbers as the whole branch: log-probs, DSA selections,
 every parameter's gradient, detached and exact (fp64, three families, CP 1 here; CP 2 in
 tests/test_blockwise_replay_cp.py); the exact mode also equals plain autograd over the full
-sequences (tests/helpers.full_sequence_logprobs: no capture, no replay)."""
+sequences (models/reference.full_sequence_logprobs: no capture, no replay)."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """The exact prompt gradient (prompt_backward.py, --longstraw-prompt-grad exact): the update of
 LongStraw equals plain autograd GRPO over the full [prompt; response] sequences, every parameter,
 for the three families (fp64, CP 1). The reference is built without capture or replay
-(tests/helpers.full_sequence_logprobs), so it checks the path, not the path against itself."""
+(models/reference.full_sequence_logprobs), so it checks the path, not the path against itself."""
 
 import re
 

@@ -404,6 +404,18 @@ def test_per_part_specs():
     assert select.use("sparse_mla=ref,indexer=ref").choices["indexer"] == "ref"
 
 
+def test_the_step_adopts_its_spec_and_selects_only_when_it_is_not_active(monkeypatch):
+    """`select.adopt` (the step's and the scoring loop's call): a spec that is not the active one is
+    selected (a library caller who never called `use`); the active one is left as set-up made it."""
+    chosen = select.adopt("sparse_mla=ref,indexer=ref")         # nobody selected: adopt selects
+    assert select.kernels() is chosen and chosen.choices["indexer"] == "ref"
+    calls = []
+    monkeypatch.setattr(select, "use", lambda spec: calls.append(spec))
+    assert select.adopt("sparse_mla=ref,indexer=ref") is chosen and calls == []
+    select.adopt("ref")                                         # a different spec: selected
+    assert calls == ["ref"]
+
+
 def test_calls_under_autograd_go_to_the_grad_backend():
     calls = []
     kernel_set = select.KernelSet(

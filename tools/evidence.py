@@ -40,7 +40,8 @@ FP64_TOL = 1e-9
 PLANNER_TOL = 0.15
 
 
-# ---- shared pieces (the model: models/seeded.py; groups: data/groups.py random_group) --------
+# ---- shared pieces (the model: models/seeded.py; groups: data/groups.py random_group; the
+# full-sequence reference: models/reference.py full_sequence_logprobs) --------------------------
 
 
 def longstraw_cfg(args, group_size: int, **kw):
@@ -49,35 +50,6 @@ def longstraw_cfg(args, group_size: int, **kw):
     # Blocks that do not divide the lengths: block boundaries fall inside every phase.
     return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
                            max_response_len=max(args.response_lens), clip_eps_high=0.28, **kw)
-
-
-def full_sequence_logprobs(model, prompt, response, detach_prompt_state=False):
-    """Log-probs [R] of `response` from one plain Megatron forward of [prompt; response] (no
-    LongStraw pass). detach_prompt_state detaches, at every layer, the MLA latent rows of the
-    captured prefix (the `linear_kv_down_proj` and `kv_layernorm` outputs): the state LongStraw
-    holds constant."""
-    import torch
-
-    ids = torch.cat([prompt, response])
-    num_captured = prompt.numel() - 1
-    hooks = []
-    if detach_prompt_state:
-        def detach_rows(module, inputs, output):
-            if isinstance(output, tuple):
-                out, bias = output
-                return torch.cat([out[:num_captured].detach(), out[num_captured:]]), bias
-            return torch.cat([output[:num_captured].detach(), output[num_captured:]])
-        for name, module in model.named_modules():
-            if name.endswith("linear_kv_down_proj") or name.endswith("kv_layernorm"):
-                hooks.append(module.register_forward_hook(detach_rows))
-    try:
-        logits = model(ids[None], None, None)[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    start = prompt.numel() - 1
-    return logp[start:start + response.numel()].gather(-1, response[:, None]).squeeze(-1)
 
 
 def update_step(model, cfg, group, ls_cfg, lr=1e-3):
@@ -205,6 +177,7 @@ def run_ranks(args, state_path, timeout: float) -> list[dict]:
 
 def reference_grads(model, group, trainable, loss_cfg, detach_prompt_state):
     from megatron_longstraw.grpo.loss import grpo_loss
+    from megatron_longstraw.models.reference import full_sequence_logprobs
 
     for p in model.parameters():
         p.grad = None
@@ -277,6 +250,7 @@ def evidence(args) -> dict:
     from megatron_longstraw import planner
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.data.groups import random_group
+    from megatron_longstraw.models.reference import full_sequence_logprobs
     from megatron_longstraw.models.seeded import build_seeded_model
     from megatron_longstraw.training.replay import score_member
 

@@ -24,6 +24,10 @@ it. `apply_rope` and `merge_partial_attention` always run the reference. `attent
 reference today (blockwise over keys, recomputing backward); a fused GPU backend that returns the
 log-sum-exp and takes its gradient (FlashAttention-style) plugs in as one more row here.
 
+The selection is process-wide and made once at set-up (`use`: the launcher, before building the
+model); the step and the scoring loop `adopt` their config's spec, which selects only when it is
+not the active one (a library caller who never called `use`).
+
 `fp8_gemm` (the frozen FP8 base of `--longstraw-fp8-base`, megatron_longstraw/kernels/fp8.py): its
 reference is `fp8.linear` (beside the format it computes; kernels/refs.py holds the others).
 `deepgemm` (DeepGEMM's `fp8_gemm_nt`, kernels/deepgemm.py) quantises the activations to FP8 per
@@ -294,13 +298,16 @@ _REF = KernelSet(choices={part: "ref" for part in PARTS}, indexer_topk=refs.inde
                  blockwise_attention=refs.blockwise_attention,
                  _sparse_mla=refs.sparse_mla_attention, _sparse_mla_grad=refs.sparse_mla_attention)
 _ACTIVE: list[KernelSet] = [_REF]
+_ACTIVE_SPEC: list[str | None] = [None]   # the spec `use` last made active (None: the default ref)
 _RESOLVED: dict[str, KernelSet] = {}
 _LOGGED: set[tuple] = set()
 
 
 def use(spec: str) -> KernelSet:
-    """Select the kernels for `spec` (see the module docstring) and make them active. Cheap to call
-    every step (resolutions are cached); logs each distinct choice once."""
+    """Select the kernels for `spec` (see the module docstring) and make them active: the
+    process's set-up choice (the launcher's `start_process_groups`, the tools, tests). Resolutions
+    are cached; each distinct choice is logged once. An explicit backend that cannot run raises
+    here and leaves the active selection as it was."""
     if spec not in _RESOLVED:
         choices, notes = resolve(spec)
         _RESOLVED[spec] = _build(choices)
@@ -313,6 +320,21 @@ def use(spec: str) -> KernelSet:
                 logger.info("longstraw kernels %r: %s", spec,
                             ", ".join(f"{part}={name}" for part, name in choices.items()))
     _ACTIVE[0] = _RESOLVED[spec]
+    _ACTIVE_SPEC[0] = spec
+    return _ACTIVE[0]
+
+
+def adopt(spec: str) -> KernelSet:
+    """The active kernels, after `use(spec)` only if `spec` is not already the active selection.
+
+    Who chooses, and when: the kernels are a process-wide choice made once at set-up, before the
+    model is built (the launcher: training/train.py `start_process_groups` calls `use`). The step
+    and the scoring loop (`forward_backward_longstraw`, `train_step` through it, `iter_scores`)
+    only adopt their config's `kernels`: nothing to do when set-up selected that spec, and the
+    selection itself for a library caller who never called `use` (or whose `cfg.kernels` changed
+    since), so the kernels running are always the config's, as when the step called `use`."""
+    if _ACTIVE_SPEC[0] != spec:
+        return use(spec)
     return _ACTIVE[0]
 
 
@@ -322,6 +344,7 @@ def reset() -> None:
     _RESOLVED.clear()
     _LOGGED.clear()
     _ACTIVE[0] = _REF
+    _ACTIVE_SPEC[0] = None
 
 
 def kernels() -> KernelSet:

@@ -150,6 +150,11 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     plain sums otherwise. Under context parallelism every rank of the CP group passes the same
     group; each holds a partial gradient (finalize.py sums them). `progress(done, total)` reports
     capture progress per decoder layer.
+
+    Kernels: the step runs on `cfg.kernels`'s selection. Set-up chooses it once (the launcher:
+    `select.use` in `start_process_groups`, before the model is built); here the step only adopts
+    it (`select.adopt`: nothing to do when it is the active selection; a library caller who never
+    called `select.use` gets it on the first step).
     """
     layout = CPLayout.current()
     try:
@@ -163,7 +168,7 @@ def forward_backward_longstraw(model, group: GRPOGroup, cfg: LongStrawConfig, re
     except ValueError as exc:
         local_error = str(exc)
     check_agreement(local_error, _fingerprint(group), layout)
-    select.use(cfg.kernels)
+    select.adopt(cfg.kernels)
     with fail_together():
         return _step(model, group, cfg, ref_model, forward_only, loss_scale, progress, captured)
 

@@ -77,13 +77,14 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
     """Yield one result dict per group. `groups`: `GroupRecord`s (megatron_longstraw.data.groups) or
     `GRPOGroup`s (id: their index). `cfg`: LongStrawConfig (block sizes). `overall` accumulates
     the mismatch over all groups that carry logps_old. Under CP every rank passes the same groups
-    and gets the same results."""
+    and gets the same results. Kernels: `cfg.kernels`'s selection, adopted here (`select.adopt`:
+    selected now unless set-up already made it the active one; tools/score.py leaves it to here)."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.kernels import select
     from megatron_longstraw.training import routing_replay
     from megatron_longstraw.training.replay import score_member
 
-    select.use(cfg.kernels)
+    select.adopt(cfg.kernels)
     for idx, item in enumerate(groups):
         group, group_id = getattr(item, "group", item), getattr(item, "id", idx)
         prompt_len = int(group.prompt_ids.numel())

@@ -12,6 +12,7 @@ import traceback
 
 import torch
 
+from megatron_longstraw.models.reference import full_sequence_logprobs
 from megatron_longstraw.models.registry import get_family
 from megatron_longstraw.kernels import select
 
@@ -126,28 +127,17 @@ def _build_qwen36(args):
     return cfg, model
 
 
-def _full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """Log-probs [R] of `response` after `prompt` from one plain forward of [prompt; response]
-    (no LongStraw pass: GDN from zero state in one kernel call, attention over the whole
-    sequence), as tests/helpers.full_sequence_logprobs; only the response rows are normalised."""
-    ids = torch.cat([prompt, response])
-    with torch.no_grad():
-        logits = model(ids[None], None, None)[0]                        # [S, V]
-    start = prompt.numel() - 1
-    rows = logits[start:start + response.numel()].float()
-    return torch.log_softmax(rows, dim=-1).gather(-1, response[:, None]).squeeze(-1)
-
-
 def _replay_vs_full_sequence(model, result, group, out: dict) -> None:
     """Replay (and scoring) log-probs of the step against a full-sequence forward per member."""
     diffs = {"replay": 0.0, "scoring": 0.0}
     prompt_effect = 0.0
     for i, response in enumerate(group.response_ids):
-        full = _full_sequence_logprobs(model, group.prompt_ids, response)
+        with torch.no_grad():
+            full = full_sequence_logprobs(model, group.prompt_ids, response)
+            alone = full_sequence_logprobs(model, group.prompt_ids[-1:], response)
         for name, logp in (("replay", result.logps[i]), ("scoring", result.logps_old[i])):
             diffs[name] = max(diffs[name],
                               (logp.detach().to(full) - full).abs().max().item())
-        alone = _full_sequence_logprobs(model, group.prompt_ids[-1:], response)
         prompt_effect = max(prompt_effect, (alone - full).abs().max().item())
     out["logps_vs_full_sequence"] = check(
         f"qwen36 log-probs vs a full-sequence forward, P = {group.prompt_ids.numel()} (bf16, "
