@@ -26,30 +26,28 @@ def hold() -> None:
         time.sleep(1)
 
 
+def hold_at(module, name: str) -> None:
+    """Replace `module.name` by a wrapper that marks the point, holds rank 1 there, and lets
+    rank 0 go on into the real function (where it then waits for rank 1)."""
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        mark(PHASE)
+        if RANK == "1":
+            hold()
+        return real(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+
+
 if PHASE == "rendezvous":
     import torch.distributed as dist
 
-    real_init = dist.init_process_group
-
-    def init_process_group(*args, **kwargs):
-        mark("rendezvous")
-        if RANK == "1":
-            hold()
-        return real_init(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
+    hold_at(dist, "init_process_group")
 elif PHASE == "collective":
     from megatron_longstraw.context import capture
 
-    real_capture = capture.capture_prompt
-
-    def capture_prompt(*args, **kwargs):
-        mark("collective")
-        if RANK == "1":
-            hold()
-        return real_capture(*args, **kwargs)
-
-    capture.capture_prompt = capture_prompt
+    hold_at(capture, "capture_prompt")
 
 entry = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
 sys.argv[0] = str(entry)
