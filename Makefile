@@ -26,7 +26,7 @@ MODEL ?= glm52
 NPROC ?= 4
 PROMPT_LEN ?= 32768
 # Long responses: every member's synthetic response up to RESPONSE_LEN tokens (the longest
-# accepted raised to it), scored and replayed in blocks of RESPONSE_BLOCK (training/replay.py).
+# accepted raised to it), scored and replayed in blocks of RESPONSE_BLOCK (step/replay.py).
 # Unset (the default), the demo runs exactly as before: the tiny configs' responses.
 RESPONSE_LEN ?=
 RESPONSE_BLOCK ?= 4096
@@ -105,6 +105,7 @@ test-under-load: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3
 	$(PY) tools/bench.py --response-sweep --cap-gib 1.25 --timing-repeats 3
+	$(PY) tools/bench.py --reuse-sweep
 
 # Detached vs exact prompt gradient (tiny GLM-5.2, one process): JSON, table, TensorBoard and a
 # PNG in runs/gradient-bias/.

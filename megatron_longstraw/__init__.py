@@ -3,19 +3,20 @@
 The package is a few wings, listed in import order: a module imports only from its own wing or
 one listed before it (also inside functions; tests/test_floors.py reads every import).
 
+    config/         the run's settings, one field per setting, and the choices they take
     runtime/        CPU adaptations of Megatron-Core, its patches, precision, errors, memory meters
     kernels/        pure-PyTorch references, GPU backends and their selection, FP8 / NF4 formats
     distributed/    CP x EP folded process groups, collectives, agreement checks, finalize
     data/           the JSONL group format, tokenizers, the dataset, the group record
     state/          the paged store of captured state and the attention pass mixers read
-    config/         the run's settings and the choices they validate against
     models/         the families (GLM-5.2, Qwen3.6, DeepSeek-V3), the mixer protocol, CP, registry
     adapters/       LoRA / QLoRA and the frozen FP8 base
     context/        the shared prompt: capture, and the exact prompt gradient
     rollout/        decoding from a capture, rewards, the online loop's rollout
     grpo/           the GRPO loss and the off-policy correction
+    step/           the GRPO step: scoring, replay, routing replay, evaluation, the schedule
     checkpointing/  the model format on disk and atomic training checkpoints
-    training/       scoring and replay, the step, the launcher's loop, its flags and receipts
+    training/       the launcher: its loop, flags, data, receipts and guards
     planner/        the memory planner (reads the families' formulas through the registry)
 
 Entry points: `examples/pretrain_gpt.py --longstraw` (training/train.py) and `tools/*.py`.
@@ -60,9 +61,9 @@ _EXPORTS: dict[str, str] = {
     "CapturedPrompt": "megatron_longstraw.context.capture",
     "generate": "megatron_longstraw.rollout.decode",
     "Generation": "megatron_longstraw.rollout.decode",
-    "iter_scores": "megatron_longstraw.training.scoring",
-    "train_step": "megatron_longstraw.training.schedule",
-    "StepResult": "megatron_longstraw.training.schedule",
+    "iter_scores": "megatron_longstraw.step.scoring",
+    "train_step": "megatron_longstraw.step.schedule",
+    "StepResult": "megatron_longstraw.step.schedule",
 }
 """Public name -> the module that defines it (imported on first access)."""
 

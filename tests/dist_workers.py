@@ -26,7 +26,7 @@ def groups_for(cfg, num_groups, prompt_len=200, lens=(1, 6, 17)):
 def longstraw_cfg(group_size):
     from megatron_longstraw.config.settings import LongStrawConfig
 
-    return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
+    return LongStrawConfig.of(group_size=group_size, query_block=29, key_block=37, token_block=50,
                            max_response_len=64, clip_eps_high=0.28)
 
 
@@ -35,8 +35,8 @@ def step(model, cfg, groups_here, num_groups_total, lr=1e-3):
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
     from megatron_longstraw.distributed.expert_names import global_name
     from megatron_longstraw.distributed.cp_layout import CPLayout
-    from megatron_longstraw.training.replay import gather_selections
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.replay import gather_selections
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     optimizer.zero_grad(set_to_none=True)
@@ -98,7 +98,7 @@ def failing_capture_worker(rank, cp, failing_rank):
             raise RuntimeError(f"injected failure on rank {rank} in capture")
         layer.register_forward_pre_hook(boom)
     group = groups_for(cfg, 1)[0]
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
     forward_backward_longstraw(model, group, longstraw_cfg(3))
     return "finished"
 
@@ -106,7 +106,7 @@ def failing_capture_worker(rank, cp, failing_rank):
 def mismatch_worker(rank, what):
     """Ranks disagree on the group: detected before any work."""
     from megatron_longstraw.distributed import parallel
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -129,7 +129,7 @@ def stock_finalize_worker(rank, state_path):
 
     from megatron_longstraw.distributed import parallel, expert_names
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, is_expert_param
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -165,7 +165,7 @@ def stock_finalize_worker(rank, state_path):
 def short_prompt_worker(rank, state_path, prompt_len):
     """CP2/EP2 scoring of a prompt whose shards hold fewer keys than the DSA top-k."""
     from megatron_longstraw.distributed import parallel, expert_names
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     parallel.initialize(context_parallel_size=2, expert_parallel_size=2,
                         init_method=os.environ["LONGSTRAW_TEST_INIT"])
@@ -234,7 +234,7 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
     from megatron_longstraw.distributed.expert_names import global_name
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
     from megatron_longstraw.data.group import GRPOGroup
 
     outs = []
@@ -247,7 +247,7 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
             response_ids=[torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens],
             rewards=torch.tensor([1.0, 0.0, 0.5][:len(lens)], dtype=torch.float64),
             loss_masks=loss_masks)
-        ls = LongStrawConfig(group_size=len(lens), query_block=29, key_block=37, token_block=50,
+        ls = LongStrawConfig.of(group_size=len(lens), query_block=29, key_block=37, token_block=50,
                              max_response_len=64, clip_eps_high=0.28,
                              **{"prompt_grad": "exact", **(settings or {})})
         model.zero_grad(set_to_none=True)
@@ -255,6 +255,34 @@ def exact_gradient_worker(rank, cases, lens, loss_masks=None, settings=None):
         finalize_longstraw_grads(model)
         outs.append({global_name(n, experts): p.grad.clone()
                      for n, p in model.named_parameters() if p.grad is not None})
+    return outs
+
+
+def capture_reuse_worker(rank, cases, lens, rewards, updates, settings, drift_every=0):
+    """`updates` optimizer steps (SGD, lr 0.3) over one capture per case on CP (x EP) ranks
+    (`cases`: (family, cp, ep, weights path, prompt length); step.schedule.train_on_capture, G =
+    len(lens) / updates): per case the members' log-probs and the statistics of every update
+    (`drift_every`: the drift measured, staleness.py) and this rank's parameters after the last,
+    by global name (fp64)."""
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.distributed.expert_names import global_name
+    from megatron_longstraw.step.schedule import train_on_capture
+    from megatron_longstraw.data.group import GRPOGroup
+
+    outs = []
+    for family, cp, ep, state_path, prompt_len in cases:
+        cfg, model, experts = _case_model(family, cp, ep, state_path)
+        gen = torch.Generator().manual_seed(0)
+        group = GRPOGroup(torch.randint(cfg.vocab_size, (prompt_len,), generator=gen),
+                          [torch.randint(cfg.vocab_size, (n,), generator=gen) for n in lens],
+                          rewards=torch.tensor(rewards, dtype=torch.float64))
+        ls = LongStrawConfig.of(**settings)
+        results = train_on_capture(model, torch.optim.SGD(model.parameters(), lr=0.3), group, ls,
+                                   updates=updates, drift_every=drift_every)
+        outs.append({"logps": [[lp.detach() for lp in r.logps] for r in results],
+                     "stats": [r.stats for r in results],
+                     "params": {global_name(n, experts): p.detach().clone()
+                                for n, p in model.named_parameters()}})
     return outs
 
 
@@ -276,7 +304,7 @@ def decode_worker(rank, cases, envs=False):
         cfg, model, experts = _case_model(family, cp, ep, state_path)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                                generator=torch.Generator().manual_seed(4))
-        ls = LongStrawConfig(group_size=members, query_block=7, key_block=23, token_block=19,
+        ls = LongStrawConfig.of(group_size=members, query_block=7, key_block=23, token_block=19,
                              max_response_len=64)
         captured = capture_prompt(model, prompt, ls)
         params = SamplingParams(max_new_tokens=new_tokens, seed=7)
@@ -300,11 +328,11 @@ def streamed_capture_worker(rank, cases, blocks):
     bytes."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.state.attention_pass import PromptGrad
+    from megatron_longstraw.config.choices import PromptGrad
     from megatron_longstraw.runtime.memory import LiveBytesMeter
 
     def capture(model, ids, mode, exact):
-        ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=64, **blocks)
+        ls = LongStrawConfig.of(group_size=2, capture=mode, page_tokens=64, **blocks)
         return capture_prompt(model, ids, ls,
                               prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
 
@@ -396,11 +424,11 @@ def phase_peaks_worker(rank, cases, blocks):
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.runtime.memory import LiveBytesMeter
     from megatron_longstraw.state.pages import PageStore
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     def peaks(model, cfg, prompt_len):
         group = _group(cfg, prompt_len, (16, 16), seed=prompt_len)
-        ls = LongStrawConfig(group_size=2, max_response_len=16, **blocks)
+        ls = LongStrawConfig.of(group_size=2, max_response_len=16, **blocks)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             forward_backward_longstraw(model, group, ls)
         return meter.own_peaks
@@ -422,7 +450,7 @@ def blockwise_worker(rank, cases, lens, settings):
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
     from megatron_longstraw.distributed.expert_names import global_name
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
     from megatron_longstraw.data.group import GRPOGroup
 
     outs = []
@@ -435,7 +463,7 @@ def blockwise_worker(rank, cases, lens, settings):
             rewards=torch.tensor([1.0, 0.0, 0.25][:len(lens)], dtype=torch.float64))
         runs = []
         for overrides in settings:
-            ls = LongStrawConfig(group_size=len(lens), query_block=13, key_block=37,
+            ls = LongStrawConfig.of(group_size=len(lens), query_block=13, key_block=37,
                                  token_block=50, max_response_len=128, clip_eps_high=0.28,
                                  **overrides)
             model.zero_grad(set_to_none=True)
@@ -455,11 +483,11 @@ def response_peaks_worker(rank, cases, settings, lengths, blocks):
     peak (live-bytes meter, host storage left out), after a warm-up step (the last setting)."""
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.runtime.memory import LiveBytesMeter
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     def peaks(model, cfg, response_len, overrides):
         group = _group(cfg, 32, (response_len, response_len), seed=response_len)
-        ls = LongStrawConfig(group_size=2, max_response_len=response_len, **blocks, **overrides)
+        ls = LongStrawConfig.of(group_size=2, max_response_len=response_len, **blocks, **overrides)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             forward_backward_longstraw(model, group, ls)
         return meter.own_peaks

@@ -25,7 +25,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # imports only; no parallel state, thread pool or RNG is set up before a rank forks, so each rank
 # starts as a spawned one would, and `_worker` sets its environment first.
 PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.distributed.parallel",
-           "megatron_longstraw.training.schedule", "megatron_longstraw.context.capture",
+           "megatron_longstraw.step.schedule", "megatron_longstraw.context.capture",
            "megatron_longstraw.models.glm52.model", "megatron_longstraw.models.qwen36.model",
            "dist_workers"]
 

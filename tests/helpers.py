@@ -69,7 +69,7 @@ def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[di
     """Pre-step scoring of every member over `captured` against a plain full-sequence forward of
     [prompt; response] (no autograd): (max |d logp| over all members and tokens, the selections
     each member's scoring returned)."""
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step.replay import score_member
 
     worst, selections = 0.0, []
     with torch.no_grad():

@@ -28,7 +28,7 @@ from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.groups import synthetic_group
 from megatron_longstraw.distributed.finalize import is_expert_param
 from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
-from megatron_longstraw.training.schedule import train_step
+from megatron_longstraw.step.schedule import train_step
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -186,7 +186,7 @@ def test_grpo_steps_touch_only_adapters():
     cfg, model = build_tiny_glm(torch.float32, num_hidden_layers=4)   # 3 dense + 1 MoE layer
     apply_lora(model, _cfg(), quantize_base=True)
     group = synthetic_group(cfg.vocab_size, prompt_len=100, group_size=2, response_len=8, seed=1)
-    ls = LongStrawConfig(group_size=2, max_response_len=16, token_block=64, query_block=32,
+    ls = LongStrawConfig.of(group_size=2, max_response_len=16, token_block=64, query_block=32,
                          key_block=64, kl_coef=0.05)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     packed = {n: m.nf4_weight.clone() for n, m in lora_modules(model)}

@@ -78,7 +78,7 @@ def _by_hand(flags, init: Path, groups: list) -> dict:
     torch.optim.AdamW step: the parameters after the update."""
     from megatron_longstraw.checkpointing import model_format
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     model, ls = _build(flags)
     model_format.load_model(init, model, family="glm52")
@@ -163,7 +163,7 @@ def _expected_eval(model, groups) -> dict:
 
 
 def test_held_out_scores_equal_full_sequence_log_probs_at_the_interval(tmp_path, monkeypatch, capsys):
-    from megatron_longstraw.training import evaluate as evaluate_module
+    from megatron_longstraw.step import evaluate as evaluate_module
 
     flags = _flags(tmp_path)
     held_out = _groups(512, 3, with_old=True)

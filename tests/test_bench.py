@@ -400,3 +400,42 @@ def test_merged_response_sweeps_extend_longstraw(tmp_path):
     table = (tmp_path / "bench-response-merged.md").read_text()
     assert "| 16,384 | **exceeds cap** (killed at 1,002) |" in table
     assert "wall time 10.0 min + 5.0 min" in table
+
+
+def test_reuse_sweep_end_to_end_tiny(tmp_path):
+    """`--reuse-sweep` on the tiny model: one launcher run of one capture per K, per-update time
+    the mean of that run's update times, the ratio against K = 1, K = 1's capture share."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.run([sys.executable, str(BENCH), "--reuse-sweep", "--out-dir", str(tmp_path),
+                           "--config", str(ROOT / "examples" / "glm52" / "tiny.yaml"),
+                           "--reuse-prompt", "96", "--reuse-points", "1,2", "--groups", "2",
+                           "--response-len", "4"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "bench-reuse.json").read_text())
+    rows = {r["updates"]: r for r in summary["rows"]}
+    assert set(rows) == {1, 2} and rows[1]["vs_k1"] == 1.0
+    for k, row in rows.items():
+        history = json.loads((tmp_path / "reuse" / f"K{k}" / "receipt.json").read_text())["history"]
+        assert row["update_s"] == [h["time/step_s"] for h in history]
+        assert row["per_update_s"] == pytest.approx(sum(row["update_s"]) / k)
+    assert rows[2]["vs_k1"] == pytest.approx(rows[2]["per_update_s"] / rows[1]["per_update_s"])
+    assert 0 < summary["capture_share_k1"] < 1
+    assert "| 2 | " in (tmp_path / "bench-reuse.md").read_text()
+
+
+def test_summarise_reuse_by_hand():
+    summarise_reuse = _bench_module().summarise_reuse
+
+    def update(step, capture=0.0):
+        return {"time/step_s": step, "time/capture_s": capture, "time/scoring_s": 1.0,
+                "time/replay_s": 1.0}
+
+    summary = summarise_reuse({1: [update(10.0, 8.5)], 4: [update(12.0, 8.5)] + [update(2.0)] * 3})
+    rows = {r["updates"]: r for r in summary["rows"]}
+    assert rows[4]["per_update_s"] == 4.5 and rows[4]["vs_k1"] == 0.45
+    assert summary["capture_share_k1"] == 0.85
+    with pytest.raises(ValueError, match="include 1 in --reuse-points"):
+        summarise_reuse({4: [update(1.0)] * 4})
+    with pytest.raises(ValueError, match="K = 4: the run logged 3 updates, not 4"):
+        summarise_reuse({1: [update(1.0)], 4: [update(1.0)] * 3})

@@ -23,7 +23,7 @@ from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.runtime.memory import LiveBytesMeter
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 
 LENGTHS = (16, 64)           # 2 and 8 blocks of 8
 BLOCKS = dict(key_block=32, query_block=8, token_block=32, response_block=8)
@@ -54,7 +54,7 @@ def _peaks(model, cfg, response_len, **overrides):
                       response_ids=[torch.randint(0, cfg.vocab_size, (response_len,),
                                                   generator=gen) for _ in range(2)],
                       rewards=torch.tensor([1.0, 0.0], dtype=torch.float64))
-    ls = LongStrawConfig(group_size=2, max_response_len=response_len,
+    ls = LongStrawConfig.of(group_size=2, max_response_len=response_len,
                          **{**BLOCKS, **overrides})
     with LiveBytesMeter("cpu", exclude_host=True) as meter:
         forward_backward_longstraw(model, group, ls)

@@ -1,4 +1,4 @@
-"""Blockwise branches (training/replay.py, `response_block`): a response longer than a block is
+"""Blockwise branches (step/replay.py, `response_block`): a response longer than a block is
 scored and replayed block by block, its earlier blocks' state in host pages and the backward
 walking the blocks in reverse. The same numbers as the whole branch: log-probs, DSA selections,
 every parameter's gradient, detached and exact (fp64, three families, CP 1 here; CP 2 in
@@ -14,8 +14,8 @@ from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.grpo.loss import grpo_loss
-from megatron_longstraw.training.replay import branch_blocks, score_member
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.replay import branch_blocks, score_member
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -41,7 +41,7 @@ def _group(vocab, prompt_len):
 
 
 def _config(block, mode="detached", **kw):
-    return LongStrawConfig(group_size=len(LENS), query_block=13, key_block=37, token_block=50,
+    return LongStrawConfig.of(group_size=len(LENS), query_block=13, key_block=37, token_block=50,
                            max_response_len=128, clip_eps_high=0.28, prompt_grad=mode,
                            response_block=block, **kw)
 

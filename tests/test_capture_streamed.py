@@ -21,7 +21,7 @@ import torch
 from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.runtime.memory import LiveBytesMeter
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -44,7 +44,7 @@ def _prompt(cfg, length):
 
 
 def _capture(model, ids, mode, exact=False):
-    ls = LongStrawConfig(group_size=2, capture=mode, **BLOCKS)
+    ls = LongStrawConfig.of(group_size=2, capture=mode, **BLOCKS)
     return capture_prompt(model, ids, ls,
                           prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
 
@@ -81,13 +81,13 @@ def test_streamed_capture_equals_whole_capture_bitwise(fp64_model):
 
 
 def test_streamed_capture_refuses_unknown_schedule():
-    with pytest.raises(ValueError, match="capture must be 'streamed' or 'whole'"):
-        LongStrawConfig(group_size=2, capture="ring")
+    with pytest.raises(ValueError, match=r"capture must be one of \['streamed', 'whole'\], got 'ring'"):
+        LongStrawConfig.of(group_size=2, capture="ring")
 
 
 def _device_peak(model, ids, mode, exact=False, page_tokens=128):
     """(device peak, host peak, the capture) of one capture, the prompt made by the caller."""
-    ls = LongStrawConfig(group_size=2, capture=mode, page_tokens=page_tokens, **BLOCKS)
+    ls = LongStrawConfig.of(group_size=2, capture=mode, page_tokens=page_tokens, **BLOCKS)
     with LiveBytesMeter("cpu", exclude_host=True) as meter:
         captured = capture_prompt(model, ids, ls,
                                   prompt_grad=PromptGrad.EXACT if exact else PromptGrad.DETACHED)
@@ -173,7 +173,7 @@ def test_capture_peak_per_layer_kind_against_the_planner(family, monkeypatch):
     monkeypatch.setattr(capture, "run_layer", metered)
     _capture(model, _prompt(cfg, 64), "streamed")                  # warm-up
     for prompt_len in (193, 769):
-        ls = LongStrawConfig(group_size=2, page_tokens=128, **BLOCKS)
+        ls = LongStrawConfig.of(group_size=2, page_tokens=128, **BLOCKS)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             capture_prompt(model, _prompt(cfg, prompt_len), ls)
         own = meter.own_peaks

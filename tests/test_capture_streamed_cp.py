@@ -106,7 +106,7 @@ def cp2(tmp_path_factory):
     one_process = {}
     for family in FAMILIES:
         cfg, model = _build(family, torch.float64)
-        ls = LongStrawConfig(group_size=2, page_tokens=64, **BLOCKS)
+        ls = LongStrawConfig.of(group_size=2, page_tokens=64, **BLOCKS)
         pages = []
         for length in (EQUAL_LEN, LENGTHS[0]):
             ids = torch.randint(0, cfg.vocab_size, (length,),

@@ -28,9 +28,9 @@ def _groups(cfg):
 
 def _train_step(model, optimizer, group):
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.training.schedule import train_step
+    from megatron_longstraw.step.schedule import train_step
 
-    cfg = LongStrawConfig(group_size=GROUP_SIZE, max_response_len=2 * RESPONSE_LEN)
+    cfg = LongStrawConfig.of(group_size=GROUP_SIZE, max_response_len=2 * RESPONSE_LEN)
     return train_step(model, optimizer, group, cfg, max_grad_norm=1.0)
 
 

@@ -124,7 +124,7 @@ def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -
     log-softmax over every position, and capture + replay of a response after a prompt."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step.replay import score_member
     from megatron_longstraw.state.attention_pass import AttentionPass
 
     gen = torch.Generator().manual_seed(3)
@@ -136,7 +136,7 @@ def _fidelity(model, reference, vocab_size: int, label: str, tolerance: float) -
         state = AttentionPass(mode="full", positions=torch.arange(ids.numel()), token_block=40,
                               query_block=24, key_block=32)
         ours_all = torch.log_softmax(model(ids[None], None, attention_mask=state)[0], -1)  # [S, V]
-        ls = LongStrawConfig(group_size=2, query_block=29, key_block=37, token_block=50)
+        ls = LongStrawConfig.of(group_size=2, query_block=29, key_block=37, token_block=50)
         captured = capture_prompt(model, prompt, ls)
         replayed, _ = score_member(model, captured, response, ls)                # [R]
     ref = ref_all[rows].gather(-1, response[:, None]).squeeze(-1)

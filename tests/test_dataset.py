@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_longstraw.training import schedule, train
+from megatron_longstraw.step import schedule
+from megatron_longstraw.training import train
 from megatron_longstraw.data.groups import DataError, read_groups, synthetic_jsonl, write_groups
 from megatron_longstraw.data.dataset import GroupDataset, GroupSampler, epoch_order
 from megatron_longstraw.data.group import GRPOGroup

@@ -13,7 +13,7 @@ from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.rollout.decode import _sampling_logprobs, generate
 from megatron_longstraw.config.sampling import SamplingParams
-from megatron_longstraw.training.replay import score_member
+from megatron_longstraw.step.replay import score_member
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -27,7 +27,7 @@ def _build(family):
 
 
 def _cfg(members):
-    return LongStrawConfig(group_size=members, query_block=7, key_block=23, token_block=19,
+    return LongStrawConfig.of(group_size=members, query_block=7, key_block=23, token_block=19,
                            max_response_len=64)
 
 
@@ -143,7 +143,7 @@ def test_decode_under_cp_and_ep_equals_one_process(tmp_path, world, cases):
 def _paged_cfg(members):
     """Pages of 4 rows and key windows of 5: a response of 13 tokens spans 4 pages and 3 windows,
     and a window straddles the prompt's last rows and the first generated ones."""
-    return LongStrawConfig(group_size=members, query_block=7, key_block=5, token_block=19,
+    return LongStrawConfig.of(group_size=members, query_block=7, key_block=5, token_block=19,
                            page_tokens=4, max_response_len=64)
 
 
@@ -185,7 +185,7 @@ def test_decode_device_bytes_do_not_grow_with_the_tokens_generated(family):
 
     cfg, model = _build(family)
     prompt = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(6))
-    ls = LongStrawConfig(group_size=2, query_block=8, key_block=4, token_block=32, page_tokens=4,
+    ls = LongStrawConfig.of(group_size=2, query_block=8, key_block=4, token_block=32, page_tokens=4,
                          max_response_len=64)
     captured = capture_prompt(model, prompt, ls)
     pages, fixed = captured.pages, set(captured.pages.fixed_kinds())
@@ -205,7 +205,7 @@ def test_decode_device_bytes_do_not_grow_with_the_tokens_generated(family):
             peaks.append(meter.peak_bytes)
     finally:
         PageStore.device_copies = False
-    bound = ls.key_block * layer_row_bytes      # one key window of one layer, every kind
+    bound = ls.capture.key_block * layer_row_bytes      # one key window of one layer, every kind
     device_cache_growth = 3 * num_new * 2 * row_bytes
     print(f"{family}: peak live bytes {peaks[0]} ({num_new} tokens) vs {peaks[1]} "
           f"({4 * num_new}); bound on the growth {bound} B; a device cache would grow by "

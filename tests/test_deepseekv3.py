@@ -36,8 +36,8 @@ from megatron_longstraw.models.deepseekv3.hf import (
     to_hf_state_dict,
 )
 from megatron_longstraw.runtime.platform import manual_seed
-from megatron_longstraw.training.replay import score_member
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.replay import score_member
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.state.attention_pass import AttentionPass
 
@@ -98,7 +98,7 @@ def _group(vocab: int, prompt_len: int = PROMPT_LEN, lens=RESPONSE_LENS, seed: i
 def _small_blocks(**kw) -> LongStrawConfig:
     # Blocks that do not divide the lengths, so block boundaries fall inside every phase.
     kw.setdefault("group_size", len(RESPONSE_LENS))
-    return LongStrawConfig(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
+    return LongStrawConfig.of(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
 
 
 # ---- transformers reference ---------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_capture_longer_than_blocks_equals_one_block():
     cfg, model = build_tiny_deepseekv3(F64)
     prompt = _group(cfg.vocab_size).prompt_ids
     small = capture_prompt(model, prompt, _small_blocks())
-    whole = capture_prompt(model, prompt, LongStrawConfig(group_size=3, query_block=4096,
+    whole = capture_prompt(model, prompt, LongStrawConfig.of(group_size=3, query_block=4096,
                                                           key_block=4096, token_block=4096))
     assert small.prefix_len == PROMPT_LEN - 1
     for layer in range(cfg.num_hidden_layers):
@@ -287,7 +287,7 @@ def test_page_bytes_per_token_are_latent_rows():
 
     cfg, model = build_tiny_deepseekv3(torch.float32)
     captured = capture_prompt(model, _group(cfg.vocab_size, prompt_len=257).prompt_ids,
-                              LongStrawConfig(page_tokens=100))
+                              LongStrawConfig.of(page_tokens=100))
     # Hand count: 4 layers x (kv_lora_rank 32 + rope 8) fp32 values, nothing else.
     assert captured.pages.bytes_per_token() == 4 * 40 * 4 == cfg.page_bytes_per_token(4)
     assert captured.pages.nbytes() == 256 * 4 * 40 * 4

@@ -92,7 +92,7 @@ def test_converted_model_matches_transformers(hf_checkpoint, converted, monkeypa
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.models.registry import get_family
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step.replay import score_member
 
     meta, tensors = model_format.read_model(converted)
     assert (meta["family"], meta["dtype"]) == ("deepseekv3", "float64")
@@ -110,7 +110,7 @@ def test_converted_model_matches_transformers(hf_checkpoint, converted, monkeypa
     with torch.no_grad():
         ref_all = torch.log_softmax(_reference(hf_checkpoint[0], monkeypatch)(ids[None]).logits[0], -1)
         ours_all = torch.log_softmax(model(ids[None], None, None)[0], -1)
-        ls = LongStrawConfig(group_size=2, query_block=29, key_block=37, token_block=50)
+        ls = LongStrawConfig.of(group_size=2, query_block=29, key_block=37, token_block=50)
         replayed, _ = score_member(model, capture_prompt(model, prompt, ls), response, ls)
     ref = ref_all[rows].gather(-1, response[:, None]).squeeze(-1)
     full_error = (ours_all - ref_all).abs().max().item()
@@ -224,4 +224,4 @@ def test_slurm_script_parses_and_resolves():
     family, cfg, ls, dtype = train.resolve(args, given)
     assert cfg.num_hidden_layers == 61 and cfg.rope_type == "yarn" and dtype == torch.bfloat16
     lora, ls = train.resolve_lora(args, family, ls)
-    assert lora.config.rank == 16 and not lora.quantize_base and ls.kernels == "auto,dense=ref"
+    assert lora.config.rank == 16 and not lora.quantize_base and ls.run.kernels == "auto,dense=ref"

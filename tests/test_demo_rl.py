@@ -24,6 +24,9 @@ def test_start_and_end_are_the_means_of_the_first_and_last_tenth():
                                  for i, r in enumerate(curve)])
     assert (run["reward_start"], run["reward_end"], run["steps"]) == (0.0, 1.0, 20)
     assert run["curve"] == curve and run["step_s_mean"] == 1.0
+    timed = demo_rl.summarise_run([{"grpo/reward_mean": 0.5, "time/step_s": s}
+                                   for s in (4.0, 1.0, 1.5)])
+    assert timed["elapsed_s"] == [4.0, 5.0, 6.5]    # the run's clock at each update's end
 
 
 def _seed(seed, run_end, control_end):

@@ -127,7 +127,7 @@ def test_prompt_shards_shorter_than_topk(reference):
     group = dist_workers.groups_for(cfg, 1, prompt_len=23)[0]
     _, model = build_tiny_glm(torch.float64)
     model.load_state_dict(torch.load(reference["path"]), strict=False)
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     expected = forward_backward_longstraw(model, group, dist_workers.longstraw_cfg(3)).logps
     outs = run_ranks(dist_workers.short_prompt_worker, 2, state_path=reference["path"],

@@ -116,6 +116,6 @@ def test_dynamic_sampling_needs_the_online_loop():
     from megatron_longstraw.config.settings import LongStrawConfig
 
     with pytest.raises(ValueError, match="needs --longstraw-rollout online"):
-        LongStrawConfig(dynamic_sampling=True)
+        LongStrawConfig.of(dynamic_sampling=True)
     with pytest.raises(ValueError, match="dynamic_sampling_rounds"):
-        LongStrawConfig(dynamic_sampling_rounds=-1)
+        LongStrawConfig.of(dynamic_sampling_rounds=-1)

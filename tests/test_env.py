@@ -161,9 +161,10 @@ def test_an_online_run_with_the_example_environment_trains_on_masked_trajectorie
 
 @pytest.mark.parametrize("extra,message", [
     (["--longstraw-env", "nomodule"], "must be 'module:factory'"),
-    (["--longstraw-env-max-turns", "0"], "env_max_turns (--longstraw-env-max-turns) must be an "
-                                         "integer >= 1"),
-    (["--longstraw-env-timeout", "0"], "env_timeout (--longstraw-env-timeout) must be a positive"),
+    (["--longstraw-env-max-turns", "0"], "env_max_turns must be an integer >= 1, got 0 "
+                                         "(--longstraw-env-max-turns"),
+    (["--longstraw-env-timeout", "0"], "env_timeout must be a number of seconds > 0, got 0.0 "
+                                       "(--longstraw-env-timeout"),
 ])
 def test_bad_environment_settings_are_refused_at_start(tmp_path, extra, message):
     from megatron_longstraw.runtime.errors import UserError

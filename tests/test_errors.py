@@ -5,7 +5,10 @@ their traceback; informational logging comes from rank 0 only (metrics.configure
 import io
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +132,8 @@ def _cli(argv, capsys) -> tuple[int, list[str]]:
     (["--longstraw-kernels", "flashy"], "error: argument --longstraw-kernels: invalid choice: "
                                         "'flashy'"),
     (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag"),
-    (["--longstraw-group-size", "1"], "error: longstraw group_size must be >= 2"),
+    (["--longstraw-group-size", "1"], "error: longstraw group_size must be an integer >= 2, got 1 "
+                                      "(--longstraw-group-size, YAML longstraw.group_size)."),
     (["--tensor-model-parallel-size", "2"], "error: --tensor-model-parallel-size 2 is not "
                                             "supported. LongStraw runs tensor- and pipeline-"
                                             "parallel size 1"),
@@ -179,7 +183,6 @@ def test_user_error_types():
     with pytest.raises(KeyError):
         with errors.configuration():
             raise KeyError("not a configuration error")
-    assert errors.run_entry(lambda x: x + 1, 1) == 2            # no error: main's value
 
 
 def test_other_ranks_print_only_their_own_errors(monkeypatch):
@@ -228,3 +231,34 @@ def test_kernel_selection_is_logged_by_rank_0_only(rank, root_logger):
     assert f"[rank {rank}] WARNING:megatron_longstraw.test:something odd" in lines
     select.reset()
 
+
+
+def test_run_entry_ends_the_process_groups_after_a_run_that_succeeded(tmp_path):
+    """A gloo group left for the interpreter's teardown can abort a worker whose run succeeded
+    (SIGABRT, torchrun reports a failure): run_entry returns main's value and ends every group
+    once `main` returned, and leaves them alone when `main` raised. (In a process of its own: it
+    ends the groups of the process it runs in.)"""
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import sys, torch.distributed as dist\n"
+        "from megatron_longstraw.runtime import errors\n"
+        "def main(fail):\n"
+        "    dist.init_process_group('gloo', init_method=f'file://{sys.argv[1]}', rank=0,\n"
+        "                            world_size=1)\n"
+        "    side = dist.new_group([0])\n"
+        "    dist.all_reduce(__import__('torch').ones(2), group=side)\n"
+        "    if fail:\n"
+        "        raise KeyError('a bug')\n"
+        "    return 7\n"
+        "try:\n"
+        "    print('returned', errors.run_entry(main, sys.argv[2] == 'fail'))\n"
+        "except KeyError:\n"
+        "    print('raised')\n"
+        "print('initialized', dist.is_initialized())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for mode, expected in (("ok", "returned 7\ninitialized False"),
+                           ("fail", "raised\ninitialized True")):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"store-{mode}"), mode],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == expected, (mode, out.stdout, out.stderr[-2000:])

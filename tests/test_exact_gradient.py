@@ -12,7 +12,7 @@ from helpers import build_tiny_glm, build_tiny_qwen, full_sequence_logprobs
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.grpo.loss import grpo_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -48,7 +48,7 @@ def _full_autograd(model, group, aggregation="sequence_mean"):
 
 def _longstraw(model, group, mode, **kw):
     model.zero_grad(set_to_none=True)
-    ls = LongStrawConfig(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
+    ls = LongStrawConfig.of(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
                          max_response_len=64, clip_eps_high=0.28, prompt_grad=mode, **kw)
     forward_backward_longstraw(model, group, ls)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -135,21 +135,21 @@ def test_exact_mode_under_cp_and_ep_equals_full_sequence_autograd(tmp_path, worl
 
 def test_an_unknown_prompt_gradient_mode_is_refused():
     with pytest.raises(ValueError, match=r"prompt_grad must be one of \['detached', 'exact'\]"):
-        LongStrawConfig(prompt_grad="full")
+        LongStrawConfig.of(prompt_grad="full")
 
 
 def test_the_prompt_gradient_mode_is_read_as_the_enum_and_written_as_its_string():
     """YAML and flags give a string, the config holds `PromptGrad`, receipts write the string."""
     import json
 
-    from megatron_longstraw.state.attention_pass import PromptGrad
+    from megatron_longstraw.config.choices import PromptGrad
 
-    assert LongStrawConfig().prompt_grad is PromptGrad.DETACHED
-    cfg = LongStrawConfig(prompt_grad="exact")
-    assert cfg.prompt_grad is PromptGrad.EXACT
-    assert LongStrawConfig(prompt_grad=PromptGrad.EXACT).prompt_grad is PromptGrad.EXACT
-    assert json.dumps({"prompt_grad": cfg.prompt_grad}) == '{"prompt_grad": "exact"}'
-    assert f"{cfg.prompt_grad}" == str(cfg.prompt_grad) == "exact"
+    assert LongStrawConfig().replay.prompt_grad is PromptGrad.DETACHED
+    cfg = LongStrawConfig.of(prompt_grad="exact")
+    assert cfg.replay.prompt_grad is PromptGrad.EXACT
+    assert LongStrawConfig.of(prompt_grad=PromptGrad.EXACT).replay.prompt_grad is PromptGrad.EXACT
+    assert json.dumps({"prompt_grad": cfg.replay.prompt_grad}) == '{"prompt_grad": "exact"}'
+    assert f"{cfg.replay.prompt_grad}" == str(cfg.replay.prompt_grad) == "exact"
 
 
 def test_launcher_flag_runs_the_prompt_backward_and_refuses_lora_dropout(tmp_path, capsys):

@@ -26,7 +26,7 @@ from megatron_longstraw.adapters.fp8_base import (
 from megatron_longstraw.models.glm52.family import FP8_LINEARS
 from megatron_longstraw.models.glm52.family import LORA_TARGETS as GLM52_TARGETS
 from megatron_longstraw.planner import PlanSpec, base_weight_bytes, glm52_params
-from megatron_longstraw.training.schedule import train_step
+from megatron_longstraw.step.schedule import train_step
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -105,7 +105,7 @@ def test_step_changes_only_the_adapters():
     wrappers = dict(lora_modules(model))
     adapter_names = {f"{n}.{k}" for n in wrappers for k in ("lora_A", "lora_B")}
     group = synthetic_group(cfg.vocab_size, prompt_len=100, group_size=2, response_len=8, seed=1)
-    ls = LongStrawConfig(group_size=2, max_response_len=16, token_block=64, query_block=32,
+    ls = LongStrawConfig.of(group_size=2, max_response_len=16, token_block=64, query_block=32,
                          key_block=64, kl_coef=0.05)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
                                   weight_decay=0.0)

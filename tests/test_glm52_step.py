@@ -10,12 +10,12 @@ import torch
 from helpers import build_tiny_glm, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.grpo.loss import grpo_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.models.common import decoder_groups, embed, run_group
-from megatron_longstraw.training.replay import score_member
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.replay import score_member
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.state.attention_pass import AttentionPass
 
@@ -36,7 +36,7 @@ def _group(vocab: int, prompt_len: int = PROMPT_LEN, lens=RESPONSE_LENS, seed: i
 def _small_blocks(**kw) -> LongStrawConfig:
     # Blocks that do not divide the lengths, so block boundaries fall inside every phase.
     kw.setdefault("group_size", len(RESPONSE_LENS))
-    return LongStrawConfig(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
+    return LongStrawConfig.of(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
 
 
 # fp64: the two paths differ only in summation order (blockwise top-k / attention, chunked
@@ -83,7 +83,7 @@ def test_indexshare_and_indexer_replay_use_the_reference_selection():
 
     # Replay reuses the scoring selections (indexer replay): the layers attend with them.
     used: dict = {}
-    from megatron_longstraw.training import replay as replay_mod
+    from megatron_longstraw.step import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
     state = dataclasses.replace(replay_mod._pass(captured, branch, ls, selections=scored),
                                 used_selections=used)
@@ -167,7 +167,7 @@ def test_the_member_loss_is_computed_once_per_member_in_replay(monkeypatch):
     those calls' loss (equal to grpo_loss of the returned log-probs); forward_only calls it once
     per member on scoring's log-probs."""
     from megatron_longstraw.grpo.loss import member_loss
-    from megatron_longstraw.training import schedule
+    from megatron_longstraw.step import schedule
 
     cfg, model = build_tiny_glm(torch.float64)
     group = _group(cfg.vocab_size, prompt_len=64)
@@ -216,7 +216,7 @@ def test_bad_input_rejected_before_any_work(monkeypatch, mutate, needle):
     def no_capture(*a, **k):
         raise AssertionError("work started before validation")
 
-    monkeypatch.setattr("megatron_longstraw.training.schedule.capture_prompt", no_capture)
+    monkeypatch.setattr("megatron_longstraw.step.schedule.capture_prompt", no_capture)
     with pytest.raises(ValueError, match=needle):
         forward_backward_longstraw(model, group, _small_blocks())
 
@@ -242,7 +242,7 @@ def test_group_of_one_rejected():
     with pytest.raises(ValueError, match="group of one|at least two"):
         forward_backward_longstraw(model, group, _small_blocks(group_size=2))
     with pytest.raises(ValueError, match="group_size"):
-        LongStrawConfig(group_size=1)
+        LongStrawConfig.of(group_size=1)
 
 
 def test_prompt_state_gradients_on_request():
@@ -253,7 +253,7 @@ def test_prompt_state_gradients_on_request():
     ls = _small_blocks()
     captured = capture_prompt(model, group.prompt_ids, ls)
     response = group.response_ids[0]
-    from megatron_longstraw.training import replay as replay_mod
+    from megatron_longstraw.step import replay as replay_mod
     branch = replay_mod.make_branch(captured, response)
     state = replay_mod._pass(captured, branch, ls, selections=None, prompt_grad=PromptGrad.EXACT)
     captured.pages.keep_grads()

@@ -383,10 +383,10 @@ def test_loss_options_from_flags_and_yaml(tmp_path) -> None:
     loss = train.resolve(args, given)[2].loss_config()
     assert (loss.aggregation, loss.norm_constant, loss.kl_clamp, loss.dual_clip) == \
         ("constant", 16, 2.0, None)
-    assert LongStrawConfig(max_response_len=64).loss_config().norm_constant == 64
+    assert LongStrawConfig.of(max_response_len=64).loss_config().norm_constant == 64
     assert LongStrawConfig().loss_config().aggregation == "sequence_mean"   # today's loss
     with pytest.raises(ValueError, match=r"--longstraw-dual-clip"):
-        LongStrawConfig(dual_clip=0.5)
+        LongStrawConfig.of(dual_clip=0.5)
 
 
 # ----------------------------------------------------------------------------- validate_group
@@ -458,7 +458,7 @@ def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
     from megatron_longstraw.training import train
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.data.group import GRPOGroup
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)
     gen = torch.Generator().manual_seed(3)
@@ -470,14 +470,14 @@ def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
              ({"adv_eps": 0.5}, (2 / 3) / (math.sqrt(2 / 3) + 0.5)),
              ({"adv_eps": 0.5, "std_unbiased": True}, (2 / 3) / 1.5)]
     for settings, expected in cases:
-        ls = LongStrawConfig(group_size=3, max_response_len=8, **settings)
+        ls = LongStrawConfig.of(group_size=3, max_response_len=8, **settings)
         result = forward_backward_longstraw(model, group, ls, forward_only=True)
         assert abs(result.stats["advantage_abs_mean"] - expected) <= TOL, settings
     # The same settings from flags and from the YAML `longstraw:` section (flags win).
     args, given = train.parse(["--longstraw", "--longstraw-config", str(TINY_GLM),
                                "--longstraw-adv-eps", "0.5", "--longstraw-std-unbiased"])
     ls = train.resolve(args, given)[2]
-    assert (ls.adv_eps, ls.std_unbiased) == (0.5, True)
+    assert (ls.loss.adv_eps, ls.loss.std_unbiased) == (0.5, True)
     assert (ls.loss_config().adv_eps, ls.loss_config().std_unbiased) == (0.5, True)
     config = yaml.safe_load(TINY_GLM.read_text())
     config["longstraw"].update(adv_eps=0.25, std_unbiased=True)
@@ -485,7 +485,7 @@ def test_step_advantages_follow_adv_eps_and_std_unbiased(tmp_path) -> None:
     args, given = train.parse(["--longstraw", "--longstraw-config", str(tmp_path / "adv.yaml"),
                                "--no-longstraw-std-unbiased"])
     ls = train.resolve(args, given)[2]
-    assert (ls.adv_eps, ls.std_unbiased) == (0.25, False)
+    assert (ls.loss.adv_eps, ls.loss.std_unbiased) == (0.25, False)
     # YAML reads 1e-6 (no dot) as text: named, with the fix.
     (tmp_path / "text.yaml").write_text("longstraw:\n  adv_eps: 1e-6\n")
     with pytest.raises(ValueError, match=r"adv_eps must be a number, got '1e-6' .*write 1\.0e-6"):

@@ -94,4 +94,4 @@ def test_bad_guard_settings_are_refused(settings, words):
     from megatron_longstraw.config.settings import LongStrawConfig
 
     with pytest.raises(ValueError, match=words):
-        LongStrawConfig(**settings)
+        LongStrawConfig.of(**settings)

@@ -1,4 +1,4 @@
-"""FP8 index-key pages (`PageStore(formats=...)`, `LongStrawConfig.index_key_pages`): the format
+"""FP8 index-key pages (`PageStore(formats=...)`, `CaptureSettings.index_key_pages`): the format
 (DeepGEMM's per-token cast, d + 4 bytes a row, the `(values, scales)` pair `fp8_mqa_logits` takes
 as views), exact page bytes against the planner, every read path agreeing, and the fidelity
 against model-dtype pages measured on the tiny and a wider GLM-5.2: top-k recall and scored
@@ -16,13 +16,13 @@ from megatron_longstraw.kernels import fp8
 from megatron_longstraw import planner
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.rollout.decode import generate
 from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.models.glm52.attention import INDEX_KEY
 from megatron_longstraw.models.mla import LATENT
 from megatron_longstraw.state.pages import PageStore
-from megatron_longstraw.training.replay import score_member
+from megatron_longstraw.step.replay import score_member
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -31,7 +31,7 @@ FULL_GLM = ROOT / "examples" / "glm52" / "full.yaml"
 
 def _fp8_capture(model, prompt, ls: LongStrawConfig, **kw):
     """capture_prompt into a store in `ls`'s page formats (what capture builds from the config)."""
-    pages = PageStore(page_tokens=ls.page_tokens, formats=ls.page_formats())
+    pages = PageStore(page_tokens=ls.capture.page_tokens, formats=ls.capture.page_formats())
     return capture_prompt(model, prompt, ls, pages=pages, **kw)
 
 
@@ -120,16 +120,17 @@ def test_deepgemm_requantises_fp8_pages_to_the_stored_rows(dtype):
 
 
 def test_switch_config_flag_and_yaml():
-    assert LongStrawConfig().index_key_pages == "model" and LongStrawConfig().page_formats() == {}
-    assert LongStrawConfig(index_key_pages="fp8").page_formats() == {INDEX_KEY: "fp8"}
+    assert LongStrawConfig().capture.index_key_pages == "model"
+    assert LongStrawConfig().capture.page_formats() == {}
+    assert LongStrawConfig.of(index_key_pages="fp8").capture.page_formats() == {INDEX_KEY: "fp8"}
     with pytest.raises(ValueError, match="--longstraw-index-key-pages"):
-        LongStrawConfig(index_key_pages="bf16")
+        LongStrawConfig.of(index_key_pages="bf16")
     parser = arguments.add_longstraw_args(argparse.ArgumentParser())
     args = parser.parse_args(["--longstraw-config", str(TINY_GLM),
                               "--longstraw-index-key-pages", "fp8"])
-    assert arguments.longstraw_config_from_args(args).index_key_pages == "fp8"
-    assert LongStrawConfig.from_yaml(TINY_GLM).index_key_pages == "model"
-    assert LongStrawConfig.from_yaml(FULL_GLM).index_key_pages == "fp8"
+    assert arguments.longstraw_config_from_args(args).capture.index_key_pages == "fp8"
+    assert LongStrawConfig.from_yaml(TINY_GLM).capture.index_key_pages == "model"
+    assert LongStrawConfig.from_yaml(FULL_GLM).capture.index_key_pages == "fp8"
 
 
 def test_plan_memory_follows_the_config():
@@ -149,7 +150,7 @@ def test_plan_memory_follows_the_config():
 def test_capture_builds_its_pages_in_the_config_formats():
     cfg, model = build_tiny_glm(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
-    captured = capture_prompt(model, prompt, LongStrawConfig(index_key_pages="fp8"))
+    captured = capture_prompt(model, prompt, LongStrawConfig.of(index_key_pages="fp8"))
     assert captured.pages.nbytes(0, INDEX_KEY) == 19 * (16 + 4)
 
 
@@ -158,7 +159,7 @@ def test_fp8_capture_has_exactly_the_planner_page_bytes(prompt_len):
     cfg, model = build_tiny_glm(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(prompt_len))
-    ls = LongStrawConfig(page_tokens=64, token_block=50, index_key_pages="fp8")
+    ls = LongStrawConfig.of(page_tokens=64, token_block=50, index_key_pages="fp8")
     captured = _fp8_capture(model, prompt, ls)
     # 8 layers x (32 + 8) fp32 latent values; 4 full indexer layers x (16 e4m3 values + a scale).
     rows = prompt_len - 1
@@ -186,8 +187,8 @@ def test_fp8_pages_read_the_same_in_every_path():
     # test_capture_streamed.py's blocks (streamed capture equals whole capture bitwise with them)
     blocks = dict(key_block=32, query_block=16, token_block=64, index_key_pages="fp8",
                   max_response_len=64)
-    streamed = _fp8_capture(model, prompt, LongStrawConfig(**blocks), prompt_grad=PromptGrad.EXACT)
-    whole = _fp8_capture(model, prompt, LongStrawConfig(capture="whole", **blocks),
+    streamed = _fp8_capture(model, prompt, LongStrawConfig.of(**blocks), prompt_grad=PromptGrad.EXACT)
+    whole = _fp8_capture(model, prompt, LongStrawConfig.of(capture="whole", **blocks),
                          prompt_grad=PromptGrad.EXACT)
     for layer in streamed.pages.layers():
         for kind in streamed.pages.kinds(layer):
@@ -195,7 +196,7 @@ def test_fp8_pages_read_the_same_in_every_path():
     assert streamed.backward.selections.keys() == whole.backward.selections.keys()
     for layer, selection in streamed.backward.selections.items():
         assert torch.equal(selection, whole.backward.selections[layer])
-    ls = LongStrawConfig(group_size=2, **blocks)
+    ls = LongStrawConfig.of(group_size=2, **blocks)
     outs = generate(model, streamed, 2, SamplingParams(max_new_tokens=4, seed=7), ls)
     for out in outs:
         scored, _ = score_member(model, streamed, out.token_ids, ls)
@@ -247,7 +248,7 @@ def test_fp8_index_key_fidelity(name, overrides, prompt_len):
     response = torch.randint(0, cfg.vocab_size, (32,), generator=gen)
     runs = {}
     for pages in ("model", "fp8"):
-        ls = LongStrawConfig(page_tokens=1024, index_key_pages=pages)
+        ls = LongStrawConfig.of(page_tokens=1024, index_key_pages=pages)
         captured = _fp8_capture(model, prompt, ls, prompt_grad=PromptGrad.EXACT)
         with torch.no_grad():
             logp, used = score_member(model, captured, response, ls)
@@ -265,7 +266,7 @@ def test_fp8_index_key_fidelity(name, overrides, prompt_len):
     diff = (fp8_logp - model_logp).abs()
     model_pages.pages.zero_()      # scale: how much the log-probs depend on the prompt at all
     with torch.no_grad():
-        blind, _ = score_member(model, model_pages, response, LongStrawConfig(page_tokens=1024))
+        blind, _ = score_member(model, model_pages, response, LongStrawConfig.of(page_tokens=1024))
     prompt_effect = (blind.double() - model_logp).abs()
     print(f"\n{name} GLM-5.2 (index_head_dim {head_dim}, top-k {cfg.index_topk}, P {prompt_len}, "
           f"R {response.numel()}, bf16): index-key page bytes per token and full indexer layer "

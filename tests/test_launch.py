@@ -25,10 +25,10 @@ def test_yaml_supplies_defaults_and_flags_win():
                                "--longstraw-kl-coef", "0.05", "--seed", "7"])
     family, model_cfg, ls, _ = train.resolve(args, given)
     assert family == "glm52"
-    assert ls.group_size == 6            # flag beats the YAML's 4
-    assert ls.kl_coef == 0.05
-    assert ls.clip_eps_high == 0.28      # from the YAML
-    assert ls.seed == 7                  # Megatron's --seed when the YAML has none
+    assert ls.group.group_size == 6            # flag beats the YAML's 4
+    assert ls.loss.kl_coef == 0.05
+    assert ls.loss.clip_eps_high == 0.28      # from the YAML
+    assert ls.run.seed == 7                  # Megatron's --seed when the YAML has none
     assert model_cfg.hidden_size == 96   # Megatron model flag beats the YAML's 64
     assert model_cfg.num_hidden_layers == 8  # --num-layers not given: the YAML's value stays
 
@@ -49,7 +49,7 @@ def test_qwen36_yaml_and_megatron_flags():
     # --kv-channels None) leave the YAML alone.
     assert (model_cfg.num_key_value_heads, model_cfg.linear_num_key_heads) == (2, 4)
     assert (model_cfg.partial_rotary_factor, model_cfg.head_dim) == (0.25, 32)
-    assert ls.group_size == 4 and dtype == torch.float32
+    assert ls.group.group_size == 4 and dtype == torch.float32
     args, given = train.parse(base + [
         "--num-query-groups", "3", "--kv-channels", "16", "--rotary-percent", "0.5",
         "--linear-num-key-heads", "2", "--linear-num-value-heads", "6",
@@ -171,13 +171,13 @@ def test_slurm_scripts_are_valid_bash_and_parse(script, family, cp, ep):
     args.longstraw_config = str(ROOT / "examples" / family / "full.yaml")
     _, model_cfg, ls, dtype = train.resolve(args, given)
     assert model_cfg.num_hidden_layers == {"glm52": 78, "qwen36": 64}[family]
-    assert ls.group_size == 8 and dtype == torch.bfloat16
+    assert ls.group.group_size == 8 and dtype == torch.bfloat16
     lora, ls = train.resolve_lora(args, family, ls)
     if family == "qwen36":
         # The paper's QLoRA: rank 19 on the default targets, 115,267,072 trainable parameters
         # (test_adapters.py::test_qwen36_full_size_counts); the base from --pretrained-checkpoint.
         assert lora.quantize_base and lora.config.rank == 19 and not lora.targets_given
-        assert "pretrained_checkpoint" in given and ls.kernels == "auto,dense=ref"
+        assert "pretrained_checkpoint" in given and ls.run.kernels == "auto,dense=ref"
     else:
         assert lora is None
 
@@ -243,7 +243,7 @@ def _qwen36_model_format(folder: Path) -> dict:
 
 
 @pytest.mark.usefixtures("single_process")  # conftest: one-process Megatron state, to build the init
-def test_pretrain_gpt_runs_one_qwen36_step(tmp_path):
+def test_pretrain_gpt_runs_one_qwen36_step(tmp_path, single_process):
     """--longstraw-family qwen36 end to end: model summary, checkpoint, receipt with the fixed-size
     GDN state apart from the per-token K/V pages; --load takes a model-format directory (initial
     weights) or a training checkpoint (resume)."""

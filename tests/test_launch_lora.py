@@ -71,15 +71,15 @@ def _logits(model, ids):
 
 def test_lora_flags_and_yaml_resolve(tmp_path):
     lora, ls = _resolve("--longstraw-config", TINY_QWEN)
-    assert lora is None and ls.kernels == "auto"            # full-parameter: nothing changes
+    assert lora is None and ls.run.kernels == "auto"            # full-parameter: nothing changes
     lora, ls = _resolve("--longstraw-config", TINY_QWEN, "--longstraw-qlora",
                         "--longstraw-lora-rank", "19", "--longstraw-lora-alpha", "32",
                         "--longstraw-lora-dropout", "0.05", "--longstraw-kl-coef", "0.01")
     assert lora.quantize_base and not lora.targets_given
     assert (lora.config.rank, lora.config.alpha, lora.config.dropout) == (19, 32.0, 0.05)
-    assert lora.config.targets == QWEN36_TARGETS and lora.config.seed == ls.seed
+    assert lora.config.targets == QWEN36_TARGETS and lora.config.seed == ls.run.seed
     # LoRA wraps Megatron's local linears: auto keeps the dense layers off TransformerEngine.
-    assert ls.kernels == "auto,dense=ref"
+    assert ls.run.kernels == "auto,dense=ref"
     # The YAML `longstraw:` section takes the same keys; flags win.
     config = yaml.safe_load(Path(TINY_QWEN).read_text())
     config["longstraw"].update(lora=True, lora_rank=8, lora_targets="linear_qkv, linear_fc*",
@@ -98,9 +98,11 @@ def test_lora_flags_and_yaml_resolve(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     (["--longstraw-lora", "--longstraw-lora-rank", "0"],
-     r"--longstraw-lora-rank \(YAML longstraw.lora_rank\) must be a positive integer, got 0"),
-    (["--longstraw-qlora", "--longstraw-lora-alpha", "-1"], r"--longstraw-lora-alpha .* > 0"),
-    (["--longstraw-lora", "--longstraw-lora-dropout", "1"], r"--longstraw-lora-dropout .* \[0, 1\)"),
+     r"lora_rank must be an integer >= 1, got 0 \(--longstraw-lora-rank, YAML "
+     r"longstraw.lora_rank\)"),
+    (["--longstraw-qlora", "--longstraw-lora-alpha", "-1"], r"lora_alpha must be a number > 0, got -1.0 \(--longstraw-lora-alpha"),
+    (["--longstraw-lora", "--longstraw-lora-dropout", "1"], r"lora_dropout must be a number in \[0, 1\), got 1.0 "
+                                                            r"\(--longstraw-lora-dropout"),
     (["--longstraw-lora-rank", "8"], r"--longstraw-lora-rank given, but LoRA is off: add "
                                      r"--longstraw-lora"),
     (["--no-longstraw-lora", "--longstraw-qlora"], "LoRA is switched off"),
@@ -277,7 +279,7 @@ def test_step_config_from_a_yaml_with_adapter_keys(tmp_path):
 
     path = tmp_path / "run.yaml"
     path.write_text("longstraw:\n  group_size: 3\n  qlora: true\n  lora_rank: 19\n")
-    assert LongStrawConfig.from_yaml(path).group_size == 3
+    assert LongStrawConfig.from_yaml(path).group.group_size == 3
     path.write_text("longstraw:\n  group_size: 3\n  lora_rnak: 19\n")
     with pytest.raises(ValueError, match="lora_rnak"):
         LongStrawConfig.from_yaml(path)

@@ -1,4 +1,4 @@
-"""Loss masks through the step (training/schedule.py): the schedule hands each member's mask to
+"""Loss masks through the step (step/schedule.py): the schedule hands each member's mask to
 grpo.loss.member_loss as `loss_mask`, the slice of the tokens whose log-probs it gets (per block
 of a blockwise branch, bool, logp's shape); engine log-probs may be NaN at untrained tokens, whose
 importance weight is then 1 and which the mismatch figures leave out; a mask of all ones is no
@@ -15,7 +15,7 @@ import torch
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.grpo import loss as grpo_loss
-from megatron_longstraw.training import schedule
+from megatron_longstraw.step import schedule
 
 LENS = (7, 3, 5)
 MASKS = [[1, 1, 0, 0, 0, 1, 1], [0, 1, 1], [1, 0, 1, 0, 1]]
@@ -62,7 +62,7 @@ def recording_loss(monkeypatch):
 @pytest.mark.parametrize("block", [8192, 2])
 def test_each_block_gets_the_mask_of_its_tokens(tiny, recording_loss, block):
     model, group = tiny
-    ls = LongStrawConfig(group_size=3, max_response_len=8, response_block=block)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8, response_block=block)
     plain, plain_grads = _grads(model, group, ls)
     assert not any(mask is not None for *_, mask in recording_loss)   # no mask: no loss_mask
     recording_loss.clear()
@@ -85,7 +85,7 @@ def test_engine_logprobs_at_untrained_tokens_are_not_read(tiny, recording_loss):
     truncation at C = 2 the trained tokens weigh 2, the untrained 1; the mismatch is log 3 over
     the trained tokens only."""
     model, group = tiny
-    ls = LongStrawConfig(group_size=3, max_response_len=8)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8)
     olds = schedule.forward_backward_longstraw(model, group, ls, forward_only=True).logps_old
     masks = [torch.tensor(m, dtype=torch.bool) for m in MASKS]
     engine = [torch.where(m, o.detach() - math.log(3), torch.full_like(o, math.nan))
@@ -106,7 +106,7 @@ def test_engine_logprobs_at_untrained_tokens_are_not_read(tiny, recording_loss):
 def test_a_mask_of_all_ones_is_no_mask(tiny):
     """Runs with the real loss: nothing is masked, so nothing needs the masked loss."""
     model, group = tiny
-    ls = LongStrawConfig(group_size=3, max_response_len=8)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8)
     plain, plain_grads = _grads(model, group, ls)
     result, grads = _grads(model, _masked(group, masks=[[1] * n for n in LENS]), ls)
     assert result.loss == plain.loss
@@ -115,18 +115,18 @@ def test_a_mask_of_all_ones_is_no_mask(tiny):
 
 def test_a_mask_of_the_wrong_shape_is_refused(tiny):
     model, group = tiny
-    ls = LongStrawConfig(group_size=3, max_response_len=8)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8)
     with pytest.raises(ValueError, match="response 0: the loss mask must have shape"):
         schedule.forward_backward_longstraw(model, _masked(group, masks=[[1]] * 3), ls)
 
 
 def test_evaluation_counts_the_trained_tokens(tiny, recording_loss):
-    """Held-out figures (training/evaluate.py) over the trained tokens: the untrained ones'
+    """Held-out figures (step/evaluate.py) over the trained tokens: the untrained ones'
     absent engine log-probs are not read."""
-    from megatron_longstraw.training.evaluate import evaluate
+    from megatron_longstraw.step.evaluate import evaluate
 
     model, group = tiny
-    ls = LongStrawConfig(group_size=3, max_response_len=8)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8)
     olds = schedule.forward_backward_longstraw(model, group, ls, forward_only=True).logps_old
     masks = [torch.tensor(m, dtype=torch.bool) for m in MASKS]
     engine = [torch.where(m, o.detach() - 0.5, torch.full_like(o, math.nan))

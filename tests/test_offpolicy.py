@@ -16,7 +16,7 @@ from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.grpo.loss import grpo_loss, member_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.grpo.offpolicy import importance_weights, mismatch_stats
-from megatron_longstraw.training.schedule import merge_stats
+from megatron_longstraw.step.schedule import merge_stats
 
 TOL = 1e-12
 F64 = torch.float64
@@ -121,15 +121,17 @@ def test_merge_stats_means_over_groups_that_report_a_key() -> None:
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"tis": "clip"}, r"tis \(--longstraw-tis\) must be one of \['off', 'truncate', 'mask'\]"),
-    ({"tis_cap": 0.5}, r"tis_cap \(--longstraw-tis-cap\) must be a finite number >= 1"),
+    ({"tis": "clip"}, r"tis must be one of \['off', 'truncate', 'mask'\], got 'clip' "
+                      r"\(--longstraw-tis, YAML longstraw.tis\)"),
+    ({"tis_cap": 0.5}, r"tis_cap must be a number >= 1, got 0.5 \(--longstraw-tis-cap"),
     ({"tis_cap": float("inf")}, "tis_cap"),
     ({"tis_cap": "2"}, "tis_cap"),
-    ({"reward": "no_colon"}, r"reward \(--longstraw-reward\) must be 'module:function'"),
+    ({"reward": "no_colon"}, r"reward must be 'module:function' or 'longstraw:<name>', got "
+                             r"'no_colon'"),
 ])
 def test_config_rejects_bad_settings(settings, message) -> None:
     with pytest.raises(ValueError, match=message):
-        LongStrawConfig(**settings)
+        LongStrawConfig.of(**settings)
 
 
 def test_flags_and_yaml(tmp_path) -> None:
@@ -141,16 +143,16 @@ def test_flags_and_yaml(tmp_path) -> None:
 
     args, given = train.parse(["--longstraw", "--longstraw-config", str(TINY_GLM)])
     ls = train.resolve(args, given)[2]
-    assert (ls.tis, ls.tis_cap, ls.reward) == ("truncate", 2.0, None)   # the defaults
+    assert (ls.loss.tis, ls.loss.tis_cap, ls.group.reward) == ("truncate", 2.0, None)   # the defaults
     config = yaml.safe_load(TINY_GLM.read_text())
     config["longstraw"].update(tis="mask", tis_cap=3, reward="longstraw:exact_match")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     args, given = train.parse(["--longstraw", "--longstraw-config", str(tmp_path / "c.yaml")])
     ls = train.resolve(args, given)[2]
-    assert (ls.tis, ls.tis_cap, ls.reward) == ("mask", 3, "longstraw:exact_match")
+    assert (ls.loss.tis, ls.loss.tis_cap, ls.group.reward) == ("mask", 3, "longstraw:exact_match")
     args, given = train.parse(["--longstraw", "--longstraw-config", str(tmp_path / "c.yaml"),
                                "--longstraw-tis", "off", "--longstraw-tis-cap", "1.5"])
-    assert train.resolve(args, given)[2].tis == "off"                  # flags win
+    assert train.resolve(args, given)[2].loss.tis == "off"                  # flags win
     with pytest.raises(FlagError, match="--longstraw-tis: invalid choice: 'clip'"):
         train.parse(["--longstraw", "--longstraw-tis", "clip"])
     args, given = train.parse(["--longstraw", "--longstraw-config", str(TINY_GLM),
@@ -184,20 +186,20 @@ def tiny_step(single_process):
     """A tiny fp64 GLM-5.2, a group of three, and the trainer's pre-step log-probs of it."""
     from helpers import build_tiny_glm
     from megatron_longstraw.data.group import GRPOGroup
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     cfg, model = build_tiny_glm(torch.float64)
     gen = torch.Generator().manual_seed(7)
     group = GRPOGroup(torch.randint(0, cfg.vocab_size, (24,), generator=gen),
                       [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (3, 2, 4)],
                       _t([1.0, 0.0, 0.5]))
-    ls = LongStrawConfig(group_size=3, max_response_len=8)
+    ls = LongStrawConfig.of(group_size=3, max_response_len=8)
     olds = forward_backward_longstraw(model, group, ls, forward_only=True).logps_old
     return model, group, [o.detach().clone() for o in olds]
 
 
 def _gradient(model, group, ls):
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     model.zero_grad(set_to_none=True)
     result = forward_backward_longstraw(model, group, ls)
@@ -219,12 +221,12 @@ def test_step_denominator_is_the_trainers_and_weights_are_the_capped_ratios(tiny
     is out of [1/2, 2] and the policy gradient is zero."""
     model, group, olds = tiny_step
     engine = [o - math.log(3) for o in olds]
-    plain_result, plain = _gradient(model, group, LongStrawConfig(group_size=3, max_response_len=8))
+    plain_result, plain = _gradient(model, group, LongStrawConfig.of(group_size=3, max_response_len=8))
     assert plain_result.token_weights is None and "mismatch_kl" not in plain_result.stats
     assert plain and any(float(g.abs().max()) > 0 for g in plain.values())
 
     result, off = _gradient(model, _with_engine(group, engine),
-                            LongStrawConfig(group_size=3, max_response_len=8, tis="off"))
+                            LongStrawConfig.of(group_size=3, max_response_len=8, tis="off"))
     assert off.keys() == plain.keys()
     assert all(torch.equal(off[n], plain[n]) for n in plain)
     for got, old in zip(result.logps_old, olds):                    # the trainer's, not the engine's
@@ -237,7 +239,7 @@ def test_step_denominator_is_the_trainers_and_weights_are_the_capped_ratios(tiny
     assert "tis_frac" not in result.stats
 
     result, trunc = _gradient(model, _with_engine(group, engine),
-                              LongStrawConfig(group_size=3, max_response_len=8))
+                              LongStrawConfig.of(group_size=3, max_response_len=8))
     assert [w.tolist() for w in result.token_weights] == [[2.0] * len(o) for o in olds]
     assert result.stats["tis_frac"] == 1.0
     assert result.loss == pytest.approx(2 * plain_result.loss, rel=1e-12, abs=1e-15)
@@ -246,7 +248,7 @@ def test_step_denominator_is_the_trainers_and_weights_are_the_capped_ratios(tiny
     assert worst <= 1e-12
 
     result, masked = _gradient(model, _with_engine(group, engine),
-                               LongStrawConfig(group_size=3, max_response_len=8, tis="mask"))
+                               LongStrawConfig.of(group_size=3, max_response_len=8, tis="mask"))
     assert all(w.eq(0).all() for w in result.token_weights)
     assert all(float(g.abs().max()) == 0 for g in masked.values())
 
@@ -259,7 +261,7 @@ def test_step_weights_per_token(tiny_step) -> None:
                _t([0.2, 0.0, math.log(5), -0.05])]
     engine = [o - d for o, d in zip(olds, offsets)]
     result, _ = _gradient(model, _with_engine(group, engine),
-                          LongStrawConfig(group_size=3, max_response_len=8, tis_cap=2.0))
+                          LongStrawConfig.of(group_size=3, max_response_len=8, tis_cap=2.0))
     expected = [[2.0, math.exp(0.1), math.exp(-0.4)], [1.0, 1 / 3],
                 [math.exp(0.2), 1.0, 2.0, math.exp(-0.05)]]
     for got, want in zip(result.token_weights, expected):

@@ -80,7 +80,7 @@ def test_the_control_zeroes_the_captured_state(tmp_path):
     cfg, model = helpers.build_tiny_qwen(torch.float64)
     path = Path(_prompts(tmp_path))
     record = parse_line(path, 1, path.read_bytes().splitlines()[0], prompt_only=True)
-    ls = LongStrawConfig(group_size=2, max_new_tokens=2, rollout="online",
+    ls = LongStrawConfig.of(group_size=2, max_new_tokens=2, rollout="online",
                          reward="longstraw:marker_majority", control="zeros")
     out = rollout_group(model, record, ls, marker_majority, seed=1, control="zeros")
     pages = out.captured.pages
@@ -119,7 +119,7 @@ def test_online_needs_a_reward_and_prompt_lines(tmp_path):
 
 
 def test_a_failing_reward_stops_before_any_update(tmp_path, monkeypatch):
-    from megatron_longstraw.training import schedule
+    from megatron_longstraw.step import schedule
     from megatron_longstraw.rollout.rewards import RewardError
 
     module = tmp_path / "bad_reward.py"

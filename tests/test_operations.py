@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw.training import schedule, train
+from megatron_longstraw.step import schedule
+from megatron_longstraw.training import train
 import processes
 
 ROOT = Path(__file__).resolve().parents[1]

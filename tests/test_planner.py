@@ -16,12 +16,12 @@ from helpers import ROOT, build_tiny_glm
 from megatron_longstraw import planner
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.runtime.memory import SavedTensorMeter
 from megatron_longstraw.models.glm52.config import GLM52Config
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.distributed.cp_layout import CPLayout
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -37,7 +37,7 @@ def _tiny_spec(cfg, prompt_len, response_len, group_size=2, **kw):
 def test_page_bytes_equal_captured_pages_exactly():
     cfg, model = build_tiny_glm(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (1000,), generator=torch.Generator().manual_seed(0))
-    captured = capture_prompt(model, prompt, LongStrawConfig(page_tokens=256))
+    captured = capture_prompt(model, prompt, LongStrawConfig.of(page_tokens=256))
     # Hand count: 999 captured rows x (8 layers x (32 + 8) latent values + 4 full indexer layers x
     # 16 key values) x 4 bytes; allocated in pages of 256 rows: 4 pages = 1024 rows per kind.
     logical, allocated = 999 * (8 * 40 + 4 * 16) * 4, 1024 * (8 * 40 + 4 * 16) * 4
@@ -87,7 +87,7 @@ def _measured_saved_peak(model, response_len, checkpoint_layers):
                       response_ids=[torch.randint(0, 512, (response_len,), generator=gen)
                                     for _ in range(2)],
                       rewards=torch.tensor([0.0, 1.0], dtype=torch.float64))
-    ls = LongStrawConfig(group_size=2, max_response_len=256, checkpoint_layers=checkpoint_layers)
+    ls = LongStrawConfig.of(group_size=2, max_response_len=256, checkpoint_layers=checkpoint_layers)
     with SavedTensorMeter(model) as meter:
         forward_backward_longstraw(model, group, ls)
     return meter.peak_bytes
@@ -238,7 +238,7 @@ def test_qwen36_page_bytes_equal_captured_pages_exactly(dtype, b):
     fixed = {}
     for prompt_len in (QWEN_PROMPT_LEN, 300):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen)
-        captured = capture_prompt(model, prompt, LongStrawConfig(page_tokens=64, token_block=50))
+        captured = capture_prompt(model, prompt, LongStrawConfig.of(page_tokens=64, token_block=50))
         plan = planner.plan(_qwen_spec(cfg, prompt_len, 8, b, page_tokens=64), search_max=False)
         assert captured.pages.nbytes() == plan.host_page_bytes_per_rank_logical
         assert captured.pages.nbytes(allocated=True) == plan.host_page_bytes_per_rank
@@ -264,7 +264,7 @@ def _qwen_replay_peak(model, captured, response, ls):
     the member, tests/test_memory.py.)"""
     from megatron_longstraw.grpo.loss import member_loss
     from megatron_longstraw.config.loss import GRPOLossConfig
-    from megatron_longstraw.training.replay import replay_member
+    from megatron_longstraw.step.replay import replay_member
 
     num_tokens = response.numel()
     old = torch.zeros(num_tokens)
@@ -306,7 +306,7 @@ def test_qwen36_replay_saved_bytes_within_0_1_percent(response_len, checkpoint_l
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (QWEN_PROMPT_LEN,), generator=gen)
     response = torch.randint(0, cfg.vocab_size, (response_len,), generator=gen)
-    ls = LongStrawConfig(query_block=query_block, key_block=37, token_block=50,
+    ls = LongStrawConfig.of(query_block=query_block, key_block=37, token_block=50,
                          checkpoint_layers=checkpoint_layers)
     captured = capture_prompt(model, prompt, ls)
     measured = _qwen_replay_peak(model, captured, response, ls)
@@ -341,12 +341,12 @@ def _qwen_cp_worker(rank, cp, prompt_len, response_len):
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen)
     response = torch.randint(0, cfg.vocab_size, (response_len,), generator=gen)
-    ls = LongStrawConfig(page_tokens=64, key_block=37, token_block=50)
+    ls = LongStrawConfig.of(page_tokens=64, key_block=37, token_block=50)
     captured = capture_prompt(model, prompt, ls)
     return {"rows": int(captured.positions.numel()), "logical": captured.pages.nbytes(),
             "allocated": captured.pages.nbytes(allocated=True),
             "saved": {ck: _qwen_replay_peak(model, captured, response,
-                                            dataclasses.replace(ls, checkpoint_layers=ck))
+                                            ls.replace(checkpoint_layers=ck))
                       for ck in (True, False)}}
 
 
@@ -405,7 +405,7 @@ def test_prompt_backward_inputs_equal_what_capture_keeps(family, prompt_len):
 
     cfg, model = (build_tiny_glm if family == "glm52" else build_tiny_qwen)(torch.float32)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    captured = capture_prompt(model, prompt, LongStrawConfig(group_size=2, token_block=64),
+    captured = capture_prompt(model, prompt, LongStrawConfig.of(group_size=2, token_block=64),
                               prompt_grad=PromptGrad.EXACT)
     kept, pages = captured.backward, captured.pages
 
@@ -434,18 +434,49 @@ def test_scored_selections_host_line_equals_what_scoring_keeps():
     """GLM-5.2's host line for the DSA selections every member's scoring keeps for replay (G x
     full indexer layers x [R, k] int32) against `replay.score_member`'s, exactly (fp32, CP 1;
     top-k 16 > nothing: k = min(top-k, P - 1 + R) keys)."""
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step.replay import score_member
 
     cfg, model = build_tiny_glm(torch.float32)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (40,), generator=gen)
-    ls = LongStrawConfig(group_size=2)
+    ls = LongStrawConfig.of(group_size=2)
     captured = capture_prompt(model, prompt, ls)
     kept = 0
-    for _ in range(ls.group_size):          # every member R tokens long (the planner's R)
+    for _ in range(ls.group.group_size):          # every member R tokens long (the planner's R)
         response = torch.randint(0, cfg.vocab_size, (9,), generator=gen)
         _, selections = score_member(model, captured, response, ls)
         kept += sum(sel.numel() * sel.element_size() for sel in selections.values())
     plan = planner.plan(_tiny_spec(cfg, 40, 9), search_max=False)
     (line,) = [i for i in plan.host_items if i.name.startswith("scored DSA selections")]
     assert line.measured and line.bytes == kept
+
+
+def test_k_updates_per_capture_host_lines():
+    """K updates per capture: the DSA selections line counts the G x K members a capture's
+    updates hold (against what `train_on_capture`'s K results keep, exactly: fp32, CP 1), the
+    members' tables grow K-fold, a measured drift adds one copy of the pages while it runs; the
+    device phases do not change with K."""
+    from megatron_longstraw.step.schedule import train_on_capture
+
+    cfg, model = build_tiny_glm(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    updates, size, length = 3, 2, 9
+    group = GRPOGroup(torch.randint(0, cfg.vocab_size, (40,), generator=gen),
+                      [torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+                       for _ in range(size * updates)],
+                      rewards=torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 1.0]))
+    ls = LongStrawConfig.of(group_size=size, updates_per_capture=updates)
+    results = train_on_capture(model, torch.optim.SGD(model.parameters(), lr=0.1), group, ls)
+    held = sum(sel.numel() * sel.element_size()
+               for r in results for member in r.selections for sel in member.values())
+    one, many = (planner.plan(_tiny_spec(cfg, 40, length, updates_per_capture=k, drift=True),
+                              search_max=False) for k in (1, updates))
+    line = lambda p, start: sum(i.bytes for i in p.host_items if i.name.startswith(start))
+    assert line(many, "scored DSA selections") == held
+    assert line(many, "scored DSA selections") == updates * line(one, "scored DSA selections")
+    assert line(many, "members' tables") == updates * line(one, "members' tables") > 0
+    assert line(one, "drift measurement") == 0       # K = 1 captures afresh every step
+    assert line(many, "drift measurement") == many.host_page_bytes_per_rank
+    assert many.phase_totals == one.phase_totals
+    with pytest.raises(ValueError, match="updates_per_capture must be positive"):
+        _tiny_spec(cfg, 40, length, updates_per_capture=0)

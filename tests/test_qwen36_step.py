@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from helpers import build_tiny_qwen, full_sequence_logprobs, scoring_vs_full_sequence
 from megatron_longstraw.context.capture import capture_prompt
 from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.grpo.loss import grpo_loss
 from megatron_longstraw.config.loss import GRPOLossConfig
 from megatron_longstraw.models.qwen36.config import Qwen36Config
 from megatron_longstraw.models.qwen36.gdn import CONV_TAIL, GDN_STATE, LongStrawGatedDeltaNet
-from megatron_longstraw.training.replay import score_member
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.replay import score_member
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -36,7 +36,7 @@ def _group(vocab: int, prompt_len: int = PROMPT_LEN, lens=RESPONSE_LENS, seed: i
 def _small_blocks(**kw) -> LongStrawConfig:
     # Blocks that do not divide the lengths, so block boundaries fall inside every phase.
     kw.setdefault("group_size", len(RESPONSE_LENS))
-    return LongStrawConfig(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
+    return LongStrawConfig.of(query_block=29, key_block=37, token_block=50, max_response_len=64, **kw)
 
 
 # fp64: replay and the full forward differ only in summation order (delta-rule chunk boundaries,
@@ -132,7 +132,7 @@ def test_gdn_state_is_fixed_size_as_the_prompt_doubles():
     sizes = {}
     for prompt_len in (129, 257):
         captured = capture_prompt(model, _group(cfg.vocab_size, prompt_len).prompt_ids,
-                                  LongStrawConfig(token_block=64))
+                                  LongStrawConfig.of(token_block=64))
         sizes[prompt_len] = {kind: captured.pages.bytes_by_kind()[kind]
                              for kind in (GDN_STATE, CONV_TAIL, "key", "value")}
     print(f"captured bytes by kind: {sizes}")
@@ -217,7 +217,7 @@ def test_prompt_state_gradients_on_request():
     difference quotient's own rounding error, a few ulps of the scored sum over 2 eps; truncation
     is O(eps^2), negligible. The rounding term matters where the directional derivative is small:
     K pages of layer 3, ~1.5e-3, whose quotient is off by ~3e-9 on some CPUs' kernels)."""
-    from megatron_longstraw.training import replay as replay_mod
+    from megatron_longstraw.step import replay as replay_mod
 
     cfg, model = build_tiny_qwen(torch.float64)
     group = _group(cfg.vocab_size, lens=(7,))
@@ -259,7 +259,7 @@ def test_all_param_gradients_at_fixed_prompt_state_match_finite_differences():
     over all parameters equals a central finite difference of scoring with the pages held fixed
     (fp64, relative 1e-6; the quotient's own error is ~1e-8), and the gradient touches every kind
     of parameter (GDN, gated attention, FFN, norms, embedding, head)."""
-    from megatron_longstraw.training.replay import replay_member
+    from megatron_longstraw.step.replay import replay_member
 
     cfg, model = build_tiny_qwen(torch.float64)
     group = _group(cfg.vocab_size, lens=(9,))

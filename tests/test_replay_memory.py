@@ -17,7 +17,7 @@ from helpers import build_tiny_glm, build_tiny_qwen
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.runtime.memory import LiveBytesMeter
 from megatron_longstraw.state.pages import PageStore
-from megatron_longstraw.training.schedule import forward_backward_longstraw
+from megatron_longstraw.step.schedule import forward_backward_longstraw
 from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -50,7 +50,7 @@ def _phases(model, vocab, prompt_len, members=2, prompt_grad="detached", device_
                                     for _ in range(members)],
                       rewards=torch.linspace(0, 1, members, dtype=torch.float64))
     blockwise = {} if response_block is None else {"response_block": response_block}
-    ls = LongStrawConfig(group_size=members, max_response_len=max(64, response_len),
+    ls = LongStrawConfig.of(group_size=members, max_response_len=max(64, response_len),
                          prompt_grad=prompt_grad, **BLOCKS, **blockwise)
     PageStore.device_copies = device_copies       # reads copy the pages, as to a device
     try:
@@ -139,7 +139,7 @@ def _planned_device(family, cfg, prompt_len) -> dict[str, float]:
 
     spec = planner.PlanSpec(family=family, model=cfg, prompt_len=prompt_len, group_size=2,
                             response_len=16, weight_bytes=4, act_bytes=4, latent_bytes=4,
-                            index_key_bytes=4, page_tokens=LongStrawConfig().page_tokens,
+                            index_key_bytes=4, page_tokens=LongStrawConfig().capture.page_tokens,
                             gdn_kernels="torch", **BLOCKS)
     plan = planner.plan(spec, search_max=False)
     return {"capture": max(planner.phase_bytes(items) for name, items in plan.phases.items()
@@ -274,7 +274,7 @@ def _planned_at_response(family, cfg, response_len) -> dict[str, float]:
     spec = planner.PlanSpec(family=family, model=cfg, prompt_len=P, group_size=2,
                             response_len=response_len, response_block=R_BLOCK, weight_bytes=4,
                             act_bytes=4, latent_bytes=4, index_key_bytes=4,
-                            page_tokens=LongStrawConfig().page_tokens, gdn_kernels="torch",
+                            page_tokens=LongStrawConfig().capture.page_tokens, gdn_kernels="torch",
                             **BLOCKS)
     plan = planner.plan(spec, search_max=False)
     return {phase: planner.phase_bytes(plan.phases[phase]) for phase in ("scoring", "replay")}
@@ -316,7 +316,7 @@ def test_branch_host_pages_against_the_meter(measured):
                           response_ids=[torch.randint(0, cfg.vocab_size, (response_len,),
                                                       generator=gen) for _ in range(2)],
                           rewards=torch.linspace(0, 1, 2, dtype=torch.float64))
-        ls = LongStrawConfig(group_size=2, max_response_len=response_len, response_block=R_BLOCK,
+        ls = LongStrawConfig.of(group_size=2, max_response_len=response_len, response_block=R_BLOCK,
                              page_tokens=64, **BLOCKS)
         with LiveBytesMeter("cpu", exclude_host=True) as meter:
             forward_backward_longstraw(model, group, ls)

@@ -252,7 +252,8 @@ def _lines(path, rows):
 
 @pytest.mark.usefixtures("single_process")
 def test_launcher_computes_missing_rewards_and_stops_on_a_bad_one(tmp_path, monkeypatch) -> None:
-    from megatron_longstraw.training import schedule, train
+    from megatron_longstraw.step import schedule
+    from megatron_longstraw.training import train
     from megatron_longstraw.data.groups import DataError
 
     rows = make_marker_task(2, 48, [300, 301, 302], 200, seed=5, group_size=4)

@@ -1,4 +1,4 @@
-"""Routing replay (megatron_longstraw/training/routing_replay.py): the engine's DSA selections (`dsa_topk`)
+"""Routing replay (megatron_longstraw/step/routing_replay.py): the engine's DSA selections (`dsa_topk`)
 and MoE routing (`routed_experts`) are what scoring and replay use, for the tiny GLM-5.2 (fp64),
 on one process and on CP2/EP2 ranks; bad fields fail with the line, field, member and token; the
 JSONL round trip keeps them."""
@@ -15,10 +15,10 @@ import torch
 
 from distributed import run_ranks
 from helpers import build_tiny_glm
-from megatron_longstraw.training import replay, routing_replay
+from megatron_longstraw.step import replay, routing_replay
 from megatron_longstraw.config.settings import LongStrawConfig
 from megatron_longstraw.data.groups import DataError, parse_line, read_groups, write_groups
-from megatron_longstraw.training.schedule import forward_backward_longstraw, validate_inputs
+from megatron_longstraw.step.schedule import forward_backward_longstraw, validate_inputs
 from megatron_longstraw.data.group import GRPOGroup
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -28,7 +28,7 @@ LENS = (5, 8)             # under CP2 the first member's branch is padded (5 -> 
 
 
 def _cfg() -> LongStrawConfig:
-    return LongStrawConfig(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
+    return LongStrawConfig.of(group_size=len(LENS), query_block=29, key_block=37, token_block=50,
                            max_response_len=64)
 
 

@@ -51,10 +51,15 @@ Output: runs/bench/bench-sweep.{json,md} (the JSON rewritten after every point);
 `--from-json a.json,b.json` renders the table again from saved runs (b's points replace a's; b's
 cap), `--timing-json c.json` adds c's capture / forward pairs as repeats.
 
+The reuse table (`--reuse-sweep`, also in `make bench`; tools/bench_sweeps/reuse_sweep.py): time
+per optimizer step with K updates per capture (1, 4, 8) at P = 32,768, G = 2, one launcher run of
+one capture each, back to back; the ratios against K = 1 and K = 1's capture share.
+Output: runs/bench/bench-reuse.{json,md}.
+
 The measured largest-R table (`--response-sweep`, also in `make bench`; the same model): at P =
 `--response-sweep-prompt` (4096) and G = 2, every response R tokens, LongStraw with
 `response_block` = `--response-block` (default 2048: a response longer than it is scored and
-replayed block by block, training/replay.py) and conventional at growing R (`--response-points`),
+replayed block by block, step/replay.py) and conventional at growing R (`--response-points`),
 each until its first point over `--cap-gib` (the same watchdog). These capacity runs have no
 live-bytes meter (its record of allocation events grows with the step's allocations and with it
 the RSS, more for LongStraw's many block-sized ones: at R = 8K, 1,403 against 946 MiB); at every R
@@ -93,6 +98,7 @@ from bench_sweeps.prompt_sweep import (  # noqa: E402, F401 - the summaries: tes
     run_sweep,
     summarise_sweep,
 )
+from bench_sweeps.reuse_sweep import markdown_reuse, run_reuse_sweep, summarise_reuse  # noqa: E402, F401
 from bench_sweeps.response_sweep import (  # noqa: E402, F401
     markdown_response_sweep,
     render_response_sweep,
@@ -124,6 +130,13 @@ def parse_args(argv=None):
                         "(response_block R/4) against whole-branch (response_block R) replay time "
                         "at --replay-timing-points, --timing-repeats pairs; model "
                         "examples/glm52/bench.yaml; runs/bench/bench-response.{json,md}")
+    p.add_argument("--reuse-sweep", action="store_true",
+                   help="the reuse table (`make bench`): time per optimizer step with K updates "
+                        "per capture at --reuse-points K against K = 1, one launcher run each at "
+                        "P = --reuse-prompt, the first --groups G; model examples/glm52/bench.yaml; "
+                        "runs/bench/bench-reuse.{json,md}")
+    p.add_argument("--reuse-points", default="1,4,8")
+    p.add_argument("--reuse-prompt", type=int, default=32768)
     p.add_argument("--response-points", default="2048,4096,8192,16384",
                    help="response sweep: R (LongStraw's step about doubles per doubling of R, "
                         "conventional's grows up to 4x: 16K about 1.5 minutes for LongStraw, 4 "
@@ -182,10 +195,10 @@ def parse_args(argv=None):
                    help="with --one: the live-bytes meter leaves out host storage (pages, the "
                         "residual stream: what `note_host` names), i.e. what a device would hold")
     p.add_argument("--reuse-branch-pages", action="store_true",
-                   help="with --one: LongStrawConfig.reuse_branch_pages (scoring's blocks' pages "
+                   help="with --one: the reuse_branch_pages setting (scoring's blocks' pages "
                         "serve replay)")
     args = p.parse_args(argv)
-    if (args.sweep or args.response_sweep) and args.config is None:
+    if (args.sweep or args.response_sweep or args.reuse_sweep) and args.config is None:
         args.config = str(ROOT / "examples" / "glm52" / "bench.yaml")
     args.config = args.config or str(ROOT / FAMILIES[args.family].tiny_config)
     return args
@@ -205,6 +218,8 @@ def main(argv=None) -> dict:
         return run_sweep(args)
     if args.response_sweep:
         return run_response_sweep(args)
+    if args.reuse_sweep:
+        return run_reuse_sweep(args)
     return run_predicted(args)
 
 

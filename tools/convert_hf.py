@@ -5,6 +5,7 @@
     python tools/convert_hf.py --family glm52 --hf-dir GLM-5.2-back --out glm52-ls --to-hf
     python tools/convert_hf.py --family qwen36 --hf-dir Qwen3.6-27B --out qwen36-ls --dtype bf16
     python tools/convert_hf.py --hf-dir glm52-trained --out runs/ckpt --to-hf
+    python tools/convert_hf.py --hf-dir glm52-adapter --out runs/ckpt --to-peft --dtype bf16
 
 `--family` may be left out: it is then the source's (the Hugging Face config's `model_type`; with
 `--to-hf`, the family the model-format directory or training checkpoint records), and when given
@@ -20,12 +21,26 @@ folder (its latest checkpoint); megatron_longstraw/checkpointing/export.py reads
 full-parameter checkpoint of any CP/EP layout is reassembled by name (`model.safetensors` plus
 every EP rank's `experts_ep<e>.safetensors`); a LoRA / QLoRA checkpoint is exported merged
 (base + scaling * B A, the base rebuilt from the recorded source or seed and checked against the
-run's fingerprints; an unmerged export is not offered: the adapters sit on Megatron's fused
-linears, which have no one-to-one Hugging Face module). The HF config.json of the run's initial
+run's fingerprints; `--to-peft` below writes the adapters unmerged). The HF config.json of the run's initial
 weights (a tools/convert_hf.py output) is kept when it still describes the model. `--fp8 keep`
 (default) writes the weights the source held in block FP8 in FP8 again (unchanged ones byte for
 byte, trained or merged ones quantised anew in 128 x 128 blocks); `--fp8 dequantize` writes them
 in `--dtype`.
+
+`--to-peft` writes a LoRA / QLoRA training checkpoint's adapters unmerged, as a PEFT LoRA
+adapter for the Hugging Face base model (`adapter_config.json` + `adapter_model.safetensors` in
+`--hf-dir`; `--dtype` default fp32, bf16 for serving; `--base-model` names the base in the config,
+default the HF directory the run's base was converted from). A fused Megatron linear's adapter
+becomes its HF modules' adapters exactly (B's rows split and permuted as the weight's rows, A
+shared); a trained module PEFT cannot express (routed experts, which transformers stacks) is
+refused by name: export merged with `--to-hf`. On GLM-5.2 / DeepSeek-V3, peft 0.21 takes every
+`gate_proj` / `up_proj` / `down_proj` target for the stacked routed experts, so stock
+`PeftModel.from_pretrained` would drop the dense-layer and shared-expert FFN adapters: such an
+adapter is refused too (train without FFN adapters, or export merged), unless `--peft-keep-ffn`
+writes them for a loader that maps modules by name. A QLoRA adapter sits on the original, unquantised
+base (training saw its NF4 round trip: the adapter on it is the trained policy up to NF4's
+error; `--to-hf` is exact); an adapter trained on the FP8 base sits on the dequantised base.
+megatron_longstraw/checkpointing/peft_export.py.
 
 The tensor mapping is the family's hf.py (the one its state-dict functions and logit-parity tests
 use), applied to tensors by name: no model and no process group are built. What differs between the
@@ -76,6 +91,7 @@ from megatron_longstraw.checkpointing import model_format  # noqa: E402
 from megatron_longstraw.checkpointing.hf import (  # noqa: E402
     ConversionError, hf_to_longstraw, longstraw_to_hf,
 )
+from megatron_longstraw.checkpointing.peft_export import longstraw_to_peft  # noqa: E402
 from megatron_longstraw.models.registry import FAMILIES  # noqa: E402
 
 
@@ -111,13 +127,32 @@ def build_parser() -> argparse.ArgumentParser:
                              "may also be a training checkpoint (a step_N folder, or a --save "
                              "folder: its latest), full-parameter at any CP/EP layout or LoRA "
                              "(exported merged).")
+    parser.add_argument("--to-peft", action="store_true",
+                        help="Write the adapters of the LoRA / QLoRA training checkpoint --out "
+                             "(a step_N folder or a --save folder: its latest) unmerged, as a "
+                             "PEFT LoRA adapter for the Hugging Face base model into --hf-dir "
+                             "(adapter_config.json + adapter_model.safetensors). QLoRA: the "
+                             "adapter is over the original (unquantised) base; LoRA on the FP8 "
+                             "base: over the dequantised base. --dtype: the adapter's (default "
+                             "fp32; bf16 for serving). Modules PEFT cannot express (routed "
+                             "experts) are refused by name: use --to-hf (merged).")
+    parser.add_argument("--base-model", default=None,
+                        help="With --to-peft: adapter_config.json's base_model_name_or_path "
+                             "(default: the HF directory the run's base was converted from, "
+                             "if it was).")
+    parser.add_argument("--peft-keep-ffn", action="store_true",
+                        help="With --to-peft on GLM-5.2 / DeepSeek-V3: write the dense-layer and "
+                             "shared-expert FFN adapters (gate_proj / up_proj / down_proj) that "
+                             "are refused by default, for a loader that maps modules by name; "
+                             "stock peft.PeftModel.from_pretrained drops them (peft 0.21 takes "
+                             "those targets for the stacked routed experts).")
     parser.add_argument("--fp8", choices=("keep", "dequantize"), default="keep",
                         help="With --to-hf: weights the source holds in block FP8 (an FP8 "
                              "conversion, or a run started from one) are written in FP8 (keep; "
                              "changed ones quantised anew) or dequantised to --dtype.")
     parser.add_argument("--dtype", choices=sorted(model_format.DTYPES), default=None,
-                        help="Weight dtype written (default: the source's; GLM-5.2 routers' "
-                             "expert bias stays float32).")
+                        help="Weight dtype written (default: the source's, fp32 for --to-peft; "
+                             "GLM-5.2 routers' expert bias stays float32).")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                         help="Largest safetensors shard written with --to-hf (default 5GB).")
     return parser
@@ -127,8 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     family = FAMILIES[args.family] if args.family else None
     dtype = model_format.DTYPES[args.dtype] if args.dtype else None
+    if args.to_hf and args.to_peft:
+        sys.exit("convert_hf.py: error: --to-hf (merged) and --to-peft (adapter) exclude each "
+                 "other; run the command twice for both.")
+    for flag, given in (("--base-model", args.base_model is not None),
+                        ("--peft-keep-ffn", args.peft_keep_ffn)):
+        if given and not args.to_peft:
+            sys.exit(f"convert_hf.py: error: {flag} goes with --to-peft.")
     try:
-        if args.to_hf:
+        if args.to_peft:
+            summary = longstraw_to_peft(family, args.out, args.hf_dir, dtype or
+                                        model_format.DTYPES["fp32"], args.base_model,
+                                        args.peft_keep_ffn)
+            where = args.hf_dir
+        elif args.to_hf:
             summary = longstraw_to_hf(family, args.out, args.hf_dir, dtype, args.max_shard_size,
                                       args.fp8)
             where = args.hf_dir

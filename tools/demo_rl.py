@@ -68,10 +68,14 @@ def summarise_run(history: list[dict]) -> dict:
     start, end = start_end(curve)
     seconds = [sum(v for k, v in h.items() if k.startswith("time/") and k != "time/step_s")
                for h in history]
+    elapsed, wall = 0.0, []   # the run's clock at each update's end (time/step_s summed)
+    for h in history:
+        elapsed += float(h.get("time/step_s", 0.0))
+        wall.append(elapsed)
     return {"reward_start": start, "reward_end": end, "steps": len(curve), "curve": curve,
             "response_len_mean": [float(h.get("grpo/response_len_mean", float("nan")))
                                   for h in history],
-            "step_s_mean": sum(seconds) / len(seconds)}
+            "step_s_mean": sum(seconds) / len(seconds), "elapsed_s": wall}
 
 
 def spread(values: list[float]) -> dict:
@@ -116,7 +120,8 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
         "settings": {k: getattr(args, k) for k in (
             "config", "task", "prompt_len", "num_markers", "group_size", "batch", "steps", "lr",
             "decoupled_lr", "lr_decay_style", "min_lr", "decoupled_min_lr", "prompt_grad",
-            "num_prompts", "temperature", "dynamic_sampling", "loss_aggregation", "parallel")},
+            "num_prompts", "temperature", "dynamic_sampling", "loss_aggregation", "parallel",
+            "updates_per_capture")},
         "criterion": check,
         "seeds": seeds,
         "summary": {f"{kind}_reward_{end}": spread([s[kind][f"reward_{end}"] for s in seeds])
@@ -264,6 +269,8 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
                str(args.dynamic_sampling)] if args.dynamic_sampling else []),
             *(["--longstraw-loss-aggregation", args.loss_aggregation]
               if args.loss_aggregation else []),
+            *(["--longstraw-updates-per-capture", str(args.updates_per_capture)]
+              if args.updates_per_capture > 1 else []),
             "--global-batch-size", str(args.batch), "--seed", str(seed),
             "--no-longstraw-data-shuffle", "--no-longstraw-live-bytes",
             "--longstraw-out-dir", str(out), "--longstraw-run-name", name]
@@ -337,6 +344,9 @@ def parse_args(argv=None):
                    help="The run's prompt gradient (exact: standard GRPO's, through the prompt); "
                         "the control is always detached (its zeroed state is no function of the "
                         "weights).")
+    p.add_argument("--updates-per-capture", type=int, default=1, metavar="K",
+                   help="--longstraw-updates-per-capture: each capture serves K updates (G x K "
+                        "members generated from it); --steps counts updates, a multiple of K.")
     p.add_argument("--dynamic-sampling", type=int, default=2, metavar="ROUNDS",
                    help="--longstraw-dynamic-sampling with this many extra rounds (0: off).")
     p.add_argument("--loss-aggregation", default=None,

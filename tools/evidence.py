@@ -48,7 +48,7 @@ def longstraw_cfg(args, group_size: int, **kw):
     from megatron_longstraw.config.settings import LongStrawConfig
 
     # Blocks that do not divide the lengths: block boundaries fall inside every phase.
-    return LongStrawConfig(group_size=group_size, query_block=29, key_block=37, token_block=50,
+    return LongStrawConfig.of(group_size=group_size, query_block=29, key_block=37, token_block=50,
                            max_response_len=max(args.response_lens), clip_eps_high=0.28, **kw)
 
 
@@ -58,7 +58,7 @@ def update_step(model, cfg, group, ls_cfg, lr=1e-3):
 
     from megatron_longstraw.distributed.finalize import finalize_longstraw_grads, grad_norm
     from megatron_longstraw.distributed.expert_names import global_name
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     optimizer.zero_grad(set_to_none=True)
@@ -95,7 +95,7 @@ def rank_main(rank, world, init_file, args, state_path, results):
         from megatron_longstraw.distributed import parallel, expert_names
         from megatron_longstraw.models.seeded import build_seeded_model
         from megatron_longstraw.runtime.memory import SavedTensorMeter, peak_rss_bytes
-        from megatron_longstraw.training.schedule import forward_backward_longstraw, train_step
+        from megatron_longstraw.step.schedule import forward_backward_longstraw, train_step
 
         parallel.initialize(context_parallel_size=args.cp, expert_parallel_size=args.ep,
                             init_method=f"file://{init_file}")
@@ -116,9 +116,9 @@ def rank_main(rank, world, init_file, args, state_path, results):
         model32.zero_grad(set_to_none=True)
         lens = [args.capacity_response_len] * args.capacity_group_size
         big = random_group(cfg.vocab_size, args.capacity_prompt_len, lens, args.seed + 11)
-        ls = longstraw_cfg(args, len(lens))
-        ls.max_response_len = args.capacity_response_len
-        ls.query_block, ls.key_block, ls.token_block = 1024, 8192, 8192
+        ls = longstraw_cfg(args, len(lens)).replace(
+            max_response_len=args.capacity_response_len, query_block=1024, key_block=8192,
+            token_block=8192)
         optimizer = torch.optim.AdamW(model32.parameters(), lr=1e-5)
         start = time.perf_counter()
         with SavedTensorMeter(model32) as meter:
@@ -189,7 +189,7 @@ def reference_grads(model, group, trainable, loss_cfg, detach_prompt_state):
 
 
 def longstraw_grads(model, group, trainable, ls_cfg):
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     for p in model.parameters():
         p.grad = None
@@ -252,7 +252,7 @@ def evidence(args) -> dict:
     from megatron_longstraw.data.groups import random_group
     from megatron_longstraw.models.reference import full_sequence_logprobs
     from megatron_longstraw.models.seeded import build_seeded_model
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step.replay import score_member
 
     if args.family != "glm52":
         raise SystemExit(f"--family {args.family}: the evidence levels here are written for glm52 "

@@ -81,7 +81,7 @@ def main(argv=None) -> list[dict]:
     from megatron_longstraw.runtime import errors
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw.training.arguments import longstraw_config_from_yaml
-    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.config.settings import EnvironmentSettings, LongStrawConfig
     from megatron_longstraw.data.groups import load_tokenizer, read_line
     from megatron_longstraw.data.dataset import GroupDataset
     from megatron_longstraw.rollout.decode import generate
@@ -101,10 +101,11 @@ def main(argv=None) -> list[dict]:
             raise ValueError(f"--group-size {args.group_size}: generate at least one response.")
         reward_fn = load_reward(args.reward, "--reward") if args.reward else None
         if args.env:
-            ls.env, ls.env_max_turns = args.env, args.env_max_turns
-            ls.env_turn_tokens, ls.env_timeout = args.env_turn_tokens, args.env_timeout
+            ls.environment = EnvironmentSettings(env=args.env, env_max_turns=args.env_max_turns,
+                                                 env_turn_tokens=args.env_turn_tokens,
+                                                 env_timeout=args.env_timeout)
             load_env_factory(args.env)
-            env_limits(ls)                     # their checks name the bad value
+            env_limits(ls.environment)         # their checks name the bad value
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.init_seed)
     model_cfg, model, num_experts = build_model(family, cfg, DTYPES[args.dtype], 1)
     if args.checkpoint:
@@ -125,10 +126,10 @@ def main(argv=None) -> list[dict]:
                 captured = capture_prompt(model, prompt, ls)
                 params = SamplingParams(**{**base.__dict__, "seed": args.seed + k})
                 name = f"{args.input} line {record.line}"
-                envs = (make_envs(ls, record, prompt, tokenizer, name, args.group_size)
+                envs = (make_envs(ls.environment, record, prompt, tokenizer, name, args.group_size)
                         if args.env else None)
                 gens = generate(model, captured, args.group_size, params, ls, envs=envs,
-                                env_limits=env_limits(ls) if envs else None, tokenizer=tokenizer)
+                                env_limits=env_limits(ls.environment) if envs else None, tokenizer=tokenizer)
                 given = json.loads(read_line(prompts.path, int(prompts.offsets[k])))
                 row = {key: value for key, value in given.items()
                        if key in ("id", "prompt", "prompt_ids", "prompt_file",

@@ -94,7 +94,7 @@ def build(args, trainable: str, dtype):
 def longstraw_config(args, group_size: int, mode: str):
     from megatron_longstraw.config.settings import LongStrawConfig
 
-    return LongStrawConfig(group_size=group_size, max_response_len=args.response_len,
+    return LongStrawConfig.of(group_size=group_size, max_response_len=args.response_len,
                            clip_eps_high=0.28, prompt_grad=mode)
 
 
@@ -107,7 +107,7 @@ def group_for(args, vocab: int, prompt_len: int, group_size: int, seed: int):
 
 
 def gradients(model, group, cfg) -> tuple[dict, float]:
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -141,7 +141,7 @@ def train(args, dtype, mode: str) -> list[dict]:
     """`--train-steps` GRPO steps in `mode` from the sweep's weights, on the same groups."""
     import torch
 
-    from megatron_longstraw.training.schedule import train_step
+    from megatron_longstraw.step.schedule import train_step
 
     cfg, model = build(args, "full", dtype)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_longstraw import planner  # noqa: E402
-from megatron_longstraw.config.settings import PromptGrad  # noqa: E402
+from megatron_longstraw.config.choices import PromptGrad  # noqa: E402
 from megatron_longstraw.models.registry import FAMILIES, family_of_config  # noqa: E402
 
 # The full-size plan's layout per family (Family.planner), for --help.
@@ -52,6 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=quantity, default=quantity("2.1M"))
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--response-len", type=quantity, default=8192)
+    p.add_argument("--updates-per-capture", type=int, default=1, metavar="K",
+                   help="--longstraw-updates-per-capture: G x K members per prompt, held through "
+                        "the capture's K updates (host: their tables and DSA selections)")
+    p.add_argument("--drift", action="store_true",
+                   help="the drift measured (--longstraw-drift-every / -first-last, K > 1): a "
+                        "fresh capture's pages beside the kept ones while it runs")
     p.add_argument("--reuse-branch-pages", action="store_true",
                    help="--longstraw-reuse-branch-pages: scoring keeps every member's branch "
                         "pages for replay (host: the branch lines times G)")
@@ -126,7 +132,7 @@ def build_spec(args) -> planner.PlanSpec:
     act = planner.DTYPE_BYTES[args.act_dtype] if args.act_dtype else (weight if weight >= 2 else 2.0)
     # The launcher's index-key pages (--longstraw-index-key-pages, YAML index_key_pages): "model"
     # stores them like the latents, "fp8" with one fp32 scale per row (pages.py).
-    index_dtype = args.index_key_dtype or ("fp8" if blocks.index_key_pages == "fp8"
+    index_dtype = args.index_key_dtype or ("fp8" if blocks.capture.index_key_pages == "fp8"
                                            else args.latent_dtype)
     index = (1 + 4 / key_width if index_dtype == "fp8"
              else planner.DTYPE_BYTES[index_dtype])
@@ -137,14 +143,15 @@ def build_spec(args) -> planner.PlanSpec:
         latent_bytes=planner.DTYPE_BYTES[args.latent_dtype], index_key_bytes=index,
         trainable=args.trainable, lora_rank=args.lora_rank, lora_experts=args.lora_experts,
         trainable_params=args.trainable_params,
-        shard_optimizer=args.shard_optimizer, kl=args.kl, page_tokens=blocks.page_tokens,
-        response_block=args.response_block or blocks.response_block,
-        reuse_branch_pages=args.reuse_branch_pages or blocks.reuse_branch_pages,
-        token_block=blocks.token_block, query_block=blocks.query_block, key_block=blocks.key_block,
+        shard_optimizer=args.shard_optimizer, kl=args.kl, page_tokens=blocks.capture.page_tokens,
+        response_block=args.response_block or blocks.replay.response_block,
+        reuse_branch_pages=args.reuse_branch_pages or blocks.replay.reuse_branch_pages,
+        token_block=blocks.capture.token_block, query_block=blocks.capture.query_block, key_block=blocks.capture.key_block,
         gpu_bytes=args.gpu, device_reserve=args.device_reserve, host_bytes=args.host_memory,
         ranks_per_node=args.ranks_per_node, host_reserve_per_rank=args.host_reserve,
         moe_imbalance=args.moe_imbalance, prompt_grad=args.prompt_grad,
-        gdn_kernels=args.gdn_kernels)
+        gdn_kernels=args.gdn_kernels, updates_per_capture=args.updates_per_capture,
+        drift=args.drift)
 
 
 def main(argv=None) -> dict:

@@ -44,7 +44,7 @@ from megatron_longstraw.checkpointing.model_source import (
     DTYPES, build_model, expert_parallel_size, load_weights, model_config, resolve_model_source,
 )
 from megatron_longstraw.models.registry import FAMILIES
-from megatron_longstraw.training.scoring import MismatchStats, agreed_records, iter_scores
+from megatron_longstraw.step.scoring import MismatchStats, agreed_records, iter_scores
 
 
 # ---- command line -------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ model config, dtype, and the HF config.json when the run started from converted 
   same at every layout: models/expert_init.py) and checked against the base fingerprints the run
   recorded, the adapters applied (on the FP8 or NF4 base when the run used one) and loaded, and
   the merged weights base + scaling * B A taken (adapters.merged_state_dict): the policy the
-  adapters define, under the names of the model without adapters. An unmerged export is not
-  offered: the adapters sit on Megatron's fused linears (`linear_fc1` = [gate; up], Qwen3.6's
-  per-group `linear_qkv`, GDN's `in_proj`), which have no one-to-one Hugging Face (PEFT) module.
+  adapters define, under the names of the model without adapters. The unmerged export (the
+  adapters as a PEFT LoRA adapter, fused linears split by rows) is peft_export.py's.
   Memory: the whole model once, in the run's dtype.
 
 `fp8_layout(meta, tensors, fp8)` applies `--fp8`: "keep" writes every weight that the source

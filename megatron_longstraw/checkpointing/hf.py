@@ -13,6 +13,7 @@ converted raises `ConversionError` (a ValueError) saying why and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -282,14 +283,7 @@ def longstraw_to_hf(family: Family | None, model_dir: Path, hf_dir: Path,
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
 
-    if hf_dir.exists() and any(hf_dir.iterdir()):
-        raise ConversionError(f"{hf_dir} exists and is not empty; --to-hf never overwrites a "
-                              "checkpoint: choose a new --hf-dir.")
-    hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hf_dir.with_name(f".tmp-{hf_dir.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(hf_dir, "--to-hf never overwrites a checkpoint") as tmp:
         weight_map, total = {}, 0
         for file_name, shard in zip(names, shards):
             out = {}
@@ -309,11 +303,29 @@ def longstraw_to_hf(family: Family | None, model_dir: Path, hf_dir: Path,
             model_format.write_text_atomic(tmp / "model.safetensors.index.json",
                                          json.dumps(index, indent=2, sort_keys=True) + "\n")
         config.save_pretrained(str(tmp))
-        os.rename(tmp, hf_dir)
+    return {"family": family.name, "tensors": len(plan), "shards": len(shards), "bytes": total}
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, never: str):
+    """A new output directory written whole or not at all: refused when `out` holds anything
+    (`never` says why, e.g. "--to-hf never overwrites a checkpoint"); the caller writes into the
+    yielded temporary folder beside it, renamed to `out` at the end; removed if the body raises."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"{out} exists and is not empty; {never}: choose a new --hf-dir.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"family": family.name, "tensors": len(plan), "shards": len(shards), "bytes": total}
 
 
 def write_random_hf(family: Family, config, out: Path, seed: int = 0) -> dict:

@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.settings import CaptureSettings, LongStrawConfig, capture_section
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.runtime.memory import note_host
 from megatron_longstraw.models.common import (decoder_groups, embed, is_mixer, mixer_of, run_group,
                                                run_layer, selection_kinds)
@@ -87,7 +87,7 @@ class PromptBackwardInputs:
     of each token block (`AttentionPass.boundaries`)."""
 
 
-def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
+def capture_prompt(model, prompt_ids: torch.Tensor, settings: CaptureSettings | LongStrawConfig,
                    pages: PageStore | None = None,
                    progress: Callable[[int, int], None] | None = None,
                    prompt_grad: PromptGrad = PromptGrad.DETACHED) -> CapturedPrompt:
@@ -95,8 +95,10 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
     default). Under context parallelism each rank captures its load-balanced shard. `progress(done,
     total)` is called after each decoder layer (a progress bar on rank 0). `PromptGrad.EXACT`:
     also keep each layer's input and every top-k (`PromptBackwardInputs`: L x [P, hidden] more
-    host memory) for the exact prompt gradient."""
+    host memory) for the exact prompt gradient. `settings`: the capture section (a whole
+    `LongStrawConfig` gives its `capture`)."""
     start = time.perf_counter()
+    capture = capture_section(settings)
     layout = CPLayout.current()
     prefix = prompt_ids[:-1]
     num_captured = int(prefix.numel())
@@ -105,23 +107,23 @@ def capture_prompt(model, prompt_ids: torch.Tensor, cfg: LongStrawConfig,
                          f"parallelism {layout.size}: it needs at least {2 * layout.size + 1}.")
     positions = layout.prompt_positions(num_captured, device=prefix.device)
     if pages is None:  # host pages streamed per layer, or (no offload) pages kept on the device
-        pages = PageStore(page_tokens=cfg.page_tokens, formats=cfg.page_formats(),
-                          storage_device="cpu" if cfg.offload_pages else prompt_ids.device)
+        pages = PageStore(page_tokens=capture.page_tokens, formats=capture.page_formats(),
+                          storage_device="cpu" if capture.offload_pages else prompt_ids.device)
     exact = prompt_grad is PromptGrad.EXACT
     backward = None
     if num_captured > 0:
         if exact:
             backward = PromptBackwardInputs([], {}, note_host(prefix[positions].to(
                 pages.storage_device, copy=True)))
-        streamed = cfg.capture == "streamed"
+        streamed = capture.mode == "streamed"
         state = AttentionPass(mode="capture_block" if streamed else "capture", pages=pages,
                               positions=positions, cp=CPPass.for_capture(layout, num_captured),
-                              query_block=cfg.query_block, key_block=cfg.key_block,
-                              token_block=cfg.token_block,
+                              query_block=capture.query_block, key_block=capture.key_block,
+                              token_block=capture.token_block,
                               boundaries={} if exact and layout.size == 1 else None)
         run = _run_streamed if streamed else _run_whole
         with torch.no_grad():
-            run(model, prefix, state, cfg, backward, progress)
+            run(model, prefix, state, capture, backward, progress)
         if backward is not None:
             backward.cotangent = note_host(torch.zeros_like(backward.layer_inputs[-1]))
             backward.boundaries = state.boundaries
@@ -143,10 +145,10 @@ def _keep_selections(state: AttentionPass, backward: PromptBackwardInputs | None
                 selection.to(state.pages.storage_device, torch.int32, copy=True))
 
 
-def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
+def _run_whole(model, prefix, state: AttentionPass, capture: CaptureSettings, backward, progress):
     """Every layer over this rank's whole shard (the residual stream on the device)."""
     storage = state.pages.storage_device
-    blocks = capture_blocks(state.cp.layout, state.cp.global_len, cfg.token_block)
+    blocks = capture_blocks(state.cp.layout, state.cp.global_len, capture.token_block)
     hidden = embed(model, prefix[state.positions])                  # [n_local, 1, h]
     groups = decoder_groups(model)
     for layer_idx, group in enumerate(groups):
@@ -159,17 +161,17 @@ def _run_whole(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backwa
             progress(layer_idx + 1, len(groups))
 
 
-def _run_streamed(model, prefix, state: AttentionPass, cfg: LongStrawConfig, backward, progress):
+def _run_streamed(model, prefix, state: AttentionPass, capture: CaptureSettings, backward, progress):
     """Streamed capture: the residual stream in a host buffer, every layer run one token block at
     a time (`capture_block`; under CP after the rows and exchange phases; module docstring). Each
     block runs in its own copy of `state` (its mode, positions and first row; the same pages,
     selections and boundaries)."""
     positions, storage, layout = state.positions, state.pages.storage_device, state.cp.layout
     device = prefix.device
-    blocks = capture_blocks(layout, state.cp.global_len, cfg.token_block)
+    blocks = capture_blocks(layout, state.cp.global_len, capture.token_block)
     if layout.size > 1:
         state = replace(state, streamed=StreamedCapture(layout, state.cp.global_len, storage,
-                                                        state.pages.pin_memory, cfg.token_block))
+                                                        state.pages.pin_memory, capture.token_block))
     residual = None
     for start, end in blocks:
         hidden = embed(model, prefix[positions[start:end]])         # [b, 1, h]

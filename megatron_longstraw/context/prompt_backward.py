@@ -1,4 +1,4 @@
-"""The exact prompt gradient (`LongStrawConfig.prompt_grad` `PromptGrad.EXACT`, docs/design.md
+"""The exact prompt gradient (`ReplaySettings.prompt_grad` `PromptGrad.EXACT`, docs/design.md
 section 2).
 
 Detached replay computes d loss / d theta at fixed prompt state z_P. The exact gradient adds
@@ -47,8 +47,8 @@ from __future__ import annotations
 import torch
 
 from megatron_longstraw.context.capture import CapturedPrompt
-from megatron_longstraw.config.settings import LongStrawConfig
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.settings import CaptureSettings
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.models.common import (
     decoder_groups,
     embed,
@@ -60,7 +60,7 @@ from megatron_longstraw.models.common import (
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 
 
-def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> None:
+def prompt_backward(model, captured: CapturedPrompt, capture: CaptureSettings) -> None:
     """Back-propagate the pages' accumulated cotangents through the prompt (module docstring);
     parameter gradients accumulate into `.grad`. Frees the kept inputs and the page buffers at
     the end (freeing them as it descends would not lower the host peak, which is at the start,
@@ -71,10 +71,10 @@ def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> No
     groups = decoder_groups(model)
     device = next(model.parameters()).device
     descend = _blockwise if captured.layout.size == 1 else _whole_shard
-    grad = descend(groups, captured, cfg, device)
+    grad = descend(groups, captured, capture, device)
     kept.layer_inputs.clear()
-    for start in range(0, grad.shape[0], cfg.token_block):
-        end = min(start + cfg.token_block, grad.shape[0])
+    for start in range(0, grad.shape[0], capture.token_block):
+        end = min(start + capture.token_block, grad.shape[0])
         with torch.enable_grad():
             hidden = embed(model, kept.token_ids[start:end].to(device))
         if hidden.requires_grad:       # a frozen embedding (adapters) takes nothing
@@ -83,13 +83,13 @@ def prompt_backward(model, captured: CapturedPrompt, cfg: LongStrawConfig) -> No
     captured.pages.drop_grads()
 
 
-def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -> torch.Tensor:
+def _blockwise(groups, captured: CapturedPrompt, capture: CaptureSettings, device) -> torch.Tensor:
     """One process: every layer, top to bottom, one token block at a time (module docstring).
     -> d loss / d (layer 0's input) over the prompt rows (the running buffer)."""
     kept, pages = captured.backward, captured.pages
     grad = kept.cotangent
     num_rows = grad.shape[0]
-    blocks = [(s, min(s + cfg.token_block, num_rows)) for s in range(0, num_rows, cfg.token_block)]
+    blocks = [(s, min(s + capture.token_block, num_rows)) for s in range(0, num_rows, capture.token_block)]
     for layer_idx in reversed(range(len(groups))):
         group, inputs = groups[layer_idx], kept.layer_inputs[layer_idx]
         mixer = mixer_of(group)
@@ -105,7 +105,7 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
                 # A copy (as on a device): the kept boundary itself must not collect a gradient.
                 carried = {kind: None if t is None else t.to(device, copy=True).requires_grad_()
                            for kind, t in boundaries[index].items()}
-            state = _block_pass(captured, cfg, "prompt_backward", start, end, device, carried)
+            state = _block_pass(captured, capture, "prompt_backward", start, end, device, carried)
             x = inputs[start:end].to(device, copy=True).requires_grad_()
             with torch.enable_grad():
                 out = run_group(group, x, state)
@@ -121,7 +121,7 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
         if hasattr(mixer, "forward_prompt_rows"):
             layer = next(layer for layer in group if is_mixer(layer))
             for start, end in blocks:
-                state = _block_pass(captured, cfg, "prompt_rows", start, end, device)
+                state = _block_pass(captured, capture, "prompt_rows", start, end, device)
                 x = inputs[start:end].to(device, copy=True).requires_grad_()
                 with torch.enable_grad():
                     run_layer(layer, x, state)
@@ -139,7 +139,7 @@ def _blockwise(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -
     return grad
 
 
-def _block_pass(captured: CapturedPrompt, cfg: LongStrawConfig, mode: str, start: int, end: int,
+def _block_pass(captured: CapturedPrompt, capture: CaptureSettings, mode: str, start: int, end: int,
                 device, carried=None) -> AttentionPass:
     """The pass of prompt rows [start, end) on one process: its positions and capture's
     selections for them; the page rows' positions (`cp.prefix_positions`) for dense attention."""
@@ -151,11 +151,11 @@ def _block_pass(captured: CapturedPrompt, cfg: LongStrawConfig, mode: str, start
                   prefix_positions=captured.positions.to(device)),
         selections={layer: sel[start:end].to(device, torch.long)
                     for layer, sel in kept.selections.items()},
-        reuse_selections=True, prompt_grad=PromptGrad.EXACT, query_block=cfg.query_block,
-        key_block=cfg.key_block, token_block=cfg.token_block, emitted={}, carried=carried)
+        reuse_selections=True, prompt_grad=PromptGrad.EXACT, query_block=capture.query_block,
+        key_block=capture.key_block, token_block=capture.token_block, emitted={}, carried=carried)
 
 
-def _whole_shard(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device) -> torch.Tensor:
+def _whole_shard(groups, captured: CapturedPrompt, capture: CaptureSettings, device) -> torch.Tensor:
     """Context parallelism: every layer over this rank's whole shard at once (module docstring).
     -> d loss / d (layer 0's input) over this rank's prompt rows."""
     kept, pages = captured.backward, captured.pages
@@ -167,8 +167,8 @@ def _whole_shard(groups, captured: CapturedPrompt, cfg: LongStrawConfig, device)
             mode="prompt_backward", positions=captured.positions.to(device), pages=pages,
             cp=CPPass.for_capture(captured.layout, captured.prefix_len),
             selections={layer: sel.to(device, torch.long) for layer, sel in kept.selections.items()},
-            reuse_selections=True, query_block=cfg.query_block, key_block=cfg.key_block,
-            token_block=cfg.token_block, emitted={})
+            reuse_selections=True, query_block=capture.query_block, key_block=capture.key_block,
+            token_block=capture.token_block, emitted={})
         with torch.enable_grad():
             out = run_group(groups[layer_idx], x, state)
         outputs, cotangents = [], []

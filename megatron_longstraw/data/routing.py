@@ -1,6 +1,6 @@
 """The engine's routing fields of a group (`routed_experts`, `dsa_topk`; docs/design.md section 2):
 their names, shapes and value checks, shared by the JSONL reader and routing replay
-(training/routing_replay.py applies them to a model)."""
+(step/routing_replay.py applies them to a model)."""
 
 from __future__ import annotations
 

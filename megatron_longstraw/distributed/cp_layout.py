@@ -74,7 +74,7 @@ class CPLayout:
         (rounded up to a multiple of the CP size: every rank holds a share of every block), the
         last one padded to a multiple of the CP size. One block (the whole padded branch, as
         `branch_rows` pads it) when the branch fits in one. Rank r holds the r-th of CP equal
-        contiguous shares of each block (training/replay.py)."""
+        contiguous shares of each block (step/replay.py)."""
         block = -(-block // self.size) * self.size
         return [(start, start + -(-min(block, length - start) // self.size) * self.size)
                 for start in range(0, length, block)]

@@ -45,10 +45,12 @@ Every divisor is known before replay (the response lengths are): member ``i``'s 
 A clamp is flat outside its range: a clamped token's term gets no gradient through it.
 
 :class:`GRPOGroup` (data/group.py) is the input all of this is about (one prompt, its G
-responses and rewards); data/groups.py reads it, training/schedule.py steps on it.
+responses and rewards); data/groups.py reads it, step/schedule.py steps on it.
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Sequence
 
@@ -196,8 +198,17 @@ def member_loss(
     log_ratio = lp - logp_old.detach().to(dtype)
     if cfg.log_ratio_clamp is not None:  # flat outside [-d, d]: no gradient there
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    # Where the term is flat in the token (masked, clipped, dual-clipped, A = 0) its gradient is
+    # exactly 0, whatever the ratio: there the log-ratio enters detached and capped below exp's
+    # overflow, so exp's backward never meets 0 * inf (NaN). The term's value is unchanged: below
+    # the cap the detached value is the same number, above it the term is the bound it is held at.
+    true_ratio = torch.exp(log_ratio.detach())              # statistics, and which tokens are flat
+    flat = _flat_policy_tokens(true_ratio, adv, cfg, trained)
+    if bool(flat.any()):
+        cap = math.log(torch.finfo(dtype).max) - 1.0
+        log_ratio = torch.where(flat, log_ratio.detach().clamp(max=cap), log_ratio)
     ratio = torch.exp(log_ratio)  # [R_i]
-    del log_ratio  # exp saves its output: the difference is not kept (replay's peak)
+    del log_ratio, flat  # exp saves its output: the difference is not kept (replay's peak)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     surrogate = torch.minimum(unclipped, clipped)  # [R_i]
@@ -213,6 +224,15 @@ def member_loss(
     kl_sum = kl_tok_mean = torch.zeros((), dtype=dtype, device=lp.device)
     if cfg.kl_coef > 0 and logp_ref is not None:
         d = logp_ref.detach().to(dtype) - lp  # ref - logp
+        # Flat where masked or clamped (k3 above k): d enters detached and capped there (as the
+        # log-ratio above), so the gradient is exactly 0 and exp's backward finite.
+        kl_flat = torch.zeros_like(d, dtype=torch.bool) if trained is None else ~trained
+        if cfg.kl_clamp is not None:
+            dd = d.detach()
+            kl_flat = kl_flat | (torch.exp(dd) - dd - 1.0 > cfg.kl_clamp)
+        if bool(kl_flat.any()):
+            cap = math.log(torch.finfo(dtype).max) - 1.0
+            d = torch.where(kl_flat, d.detach().clamp(max=cap), d)
         k3 = torch.exp(d) - d - 1.0
         if cfg.kl_clamp is not None:  # flat above k: no gradient there
             k3 = torch.clamp(k3, max=cfg.kl_clamp)
@@ -232,7 +252,7 @@ def member_loss(
     loss = loss * loss_scale  # 1/N groups per step (1 by default); nothing divides again later
 
     with torch.no_grad():
-        r = ratio.detach() if trained is None else ratio.detach()[trained]
+        r = true_ratio if trained is None else true_ratio[trained]
         r = r if r.numel() else torch.ones(1, dtype=dtype, device=lp.device)  # an empty share
         stats = {
             "policy_loss": policy_tok_mean.detach(),
@@ -247,6 +267,24 @@ def member_loss(
         if trained is not None:
             stats["trained"] = torch.tensor(float(held), dtype=dtype, device=lp.device)
     return loss, stats
+
+
+def _flat_policy_tokens(ratio: torch.Tensor, adv: torch.Tensor, cfg: GRPOLossConfig,
+                        trained: torch.Tensor | None) -> torch.Tensor:
+    """[R_i] bool: the tokens whose policy term does not depend on the ratio (strictly past a
+    bound: at a bound itself the min's gradient is shared, as before): masked ones, A = 0, the
+    PPO clip's flat side (A > 0 above 1 + eps_high, A < 0 below 1 - eps_low) and the dual clip's
+    (A < 0 above c)."""
+    flat = torch.zeros_like(ratio, dtype=torch.bool) if trained is None else ~trained
+    a = float(adv)
+    if a == 0.0:
+        return torch.ones_like(flat)
+    if a > 0:
+        return flat | (ratio > 1.0 + cfg.clip_eps_high)
+    flat = flat | (ratio < 1.0 - cfg.clip_eps_low)
+    if cfg.dual_clip is not None:
+        flat = flat | (ratio > cfg.dual_clip)
+    return flat
 
 
 def combine_shares(

@@ -1,4 +1,4 @@
-"""Which kernel backend runs each part of the model (`--longstraw-kernels`, `LongStrawConfig.kernels`).
+"""Which kernel backend runs each part of the model (`--longstraw-kernels`, `RunSettings.kernels`).
 
 `ref` (pure PyTorch, `kernels/refs.py`) is complete and the only path on CPU. GPU backends, one
 module each, take over the parts they implement:
@@ -331,7 +331,7 @@ def adopt(spec: str) -> KernelSet:
     model is built (the launcher: training/train.py `start_process_groups` calls `use`). The step
     and the scoring loop (`forward_backward_longstraw`, `train_step` through it, `iter_scores`)
     only adopt their config's `kernels`: nothing to do when set-up selected that spec, and the
-    selection itself for a library caller who never called `use` (or whose `cfg.kernels` changed
+    selection itself for a library caller who never called `use` (or whose `cfg.run.kernels` changed
     since), so the kernels running are always the config's, as when the step called `use`."""
     if _ACTIVE_SPEC[0] != spec:
         return use(spec)

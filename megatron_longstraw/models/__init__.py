@@ -6,4 +6,4 @@ conversion helpers, the memory planner's vocabulary (`footprint`, `mla_footprint
 formulas in its folder's `planner.py`), a family's model with reproducible non-trivial weights
 for the small-scale evidence tools (`seeded`), and the plain full-sequence forward's log-probs
 that the tests, the evidence, the bench and the device check compare against (`reference`).
-Imports: runtime, kernels, distributed, data, state, config."""
+Imports: config, runtime, kernels, distributed, data, state."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -62,11 +62,11 @@ class PlanSpec:
     """A reference capture for the KL term doubles the pages."""
     page_tokens: int = 65536
     response_block: int = 8192
-    """`LongStrawConfig.response_block`: a branch longer than this is scored and replayed block by
-    block (training/replay.py, `branch_blocks`); device lines of scoring and replay are one
+    """`ReplaySettings.response_block`: a branch longer than this is scored and replayed block by
+    block (step/replay.py, `branch_blocks`); device lines of scoring and replay are one
     block's, the earlier blocks' rows live in host pages (`branch_blocks_rows`)."""
     reuse_branch_pages: bool = False
-    """`LongStrawConfig.reuse_branch_pages`: scoring keeps every member's branch pages for its
+    """`ReplaySettings.reuse_branch_pages`: scoring keeps every member's branch pages for its
     replay (the host lines of the branch's pages and carried state, times G)."""
     token_block: int = 16384
     query_block: int = 256
@@ -84,6 +84,14 @@ class PlanSpec:
     `prompt_backward_items`."""
     moe_imbalance: float = 1.0
     """Tokens an EP rank receives / the balanced share (1: perfectly balanced routing)."""
+    updates_per_capture: int = 1
+    """`ReuseSettings.updates_per_capture` (K): each prompt has G x K members, scored before the
+    capture's first update; their capture-time tables and DSA selections are held through the K
+    updates (`Plan`'s host lines). The device bound is one block's, whatever K."""
+    drift: bool = False
+    """`--longstraw-drift-every` / `--longstraw-drift-first-last` with K > 1: a measurement
+    captures the prompt afresh beside the kept capture (one more copy of the pages on the
+    host while it runs)."""
     gdn_kernels: str = "fla"
     """Qwen3.6's delta rule in capture and replay's recompute: "fla" (the GPU's FLA kernels,
     analytic) or "torch" (Megatron-Core's torch chunked rule, what the CPU runs: the plan the CPU
@@ -91,7 +99,8 @@ class PlanSpec:
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "group_size", "response_len", "cp", "ep", "page_tokens",
-                     "response_block", "token_block", "query_block", "key_block", "ranks_per_node"):
+                     "response_block", "token_block", "query_block", "key_block", "ranks_per_node",
+                     "updates_per_capture"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
         if self.gdn_kernels not in ("fla", "torch"):
@@ -265,7 +274,7 @@ def rank_rows(prompt_len: int, cp: int, response_len: int) -> tuple[int, int, in
 
 @dataclass(frozen=True)
 class BranchBlocks:
-    """A member's branch as training/replay.py walks it (`branch_blocks`: blocks of
+    """A member's branch as step/replay.py walks it (`branch_blocks`: blocks of
     `response_block` rows rounded up to a multiple of CP, each split into CP equal contiguous
     shares), seen from one rank."""
 

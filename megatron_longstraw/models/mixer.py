@@ -45,7 +45,8 @@ import torch
 
 from megatron_longstraw.models import partials
 from megatron_longstraw.state.pages import LayerRows
-from megatron_longstraw.state.attention_pass import AttentionPass, PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
+from megatron_longstraw.state.attention_pass import AttentionPass
 
 
 class StateAwareMixer:

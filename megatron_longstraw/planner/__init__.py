@@ -43,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.models import registry as _registry
 # The public names of the family modules and the vocabulary, importable from `planner`.
 from megatron_longstraw.models.footprint import (
@@ -191,7 +191,8 @@ class Plan:
             "max_response_len_host": self.max_response_len_host,
             "max_response_len": self.max_response_len,
             "response_limit": self.response_limit,
-            "response_block": s.response_block,
+            "response_block": s.response_block, "updates_per_capture": s.updates_per_capture,
+            "drift": s.drift,
             "notes": self.notes,
         }
 
@@ -255,15 +256,34 @@ def _evaluate(spec: PlanSpec, prompt_len: int) -> Plan:
     peak_phase = max(totals, key=totals.get)
     copies = 2 if spec.kl else 1
     per_token = sum(p.row_bytes * p.num_layers for p in fp.pages if p.sequence)
+    host = fp.host + _member_tables(spec, allocated)
     return Plan(spec=spec, static=static, phases=fp.phases, phase_totals=totals,
                 device_peak_bytes_per_rank=totals[peak_phase], peak_phase=peak_phase,
                 page_bytes_per_token=per_token,
                 host_page_bytes_per_rank=copies * allocated,
                 host_page_bytes_per_rank_logical=copies * logical,
                 host_bytes_per_node=spec.ranks_per_node
-                * (copies * allocated + sum(i.bytes for i in fp.host) + spec.host_reserve_per_rank),
+                * (copies * allocated + sum(i.bytes for i in host) + spec.host_reserve_per_rank),
                 replay_saved=fp.replay_saved, notes=fp.notes + _blockwise_notes(spec),
-                host_items=fp.host)
+                host_items=host)
+
+
+def _member_tables(spec: PlanSpec, pages_allocated: float) -> list[Item]:
+    """Host lines of the members themselves (every rank holds whole members): their token ids
+    (int64), the capture-time log-probs (the PPO denominators) and the replayed ones (fp32), and
+    when the data gives them the engine's log-probs and TIS weights (fp32) and loss masks (bool):
+    G x K members of R tokens, held through the capture's K updates (step/schedule.py
+    `train_on_capture`). With the drift measured (K > 1), the fresh capture's pages beside the
+    kept ones while a measurement runs (staleness.measure_drift; the KL reference is not
+    captured again)."""
+    members = spec.group_size * spec.updates_per_capture
+    items = [Item("members' tables: G x K x [R] token ids int64, capture-time and replayed "
+                  "log-probs fp32, engine log-probs / TIS weights fp32 and loss masks (at most)",
+                  members * spec.response_len * (8 + 4 + 4 + 4 + 4 + 1))]
+    if spec.drift and spec.updates_per_capture > 1:
+        items.append(Item("drift measurement: a fresh capture's pages beside the kept ones",
+                          pages_allocated))
+    return items
 
 
 BLOCKWISE_CHECKED = {"glm52": "0.91-0.96", "qwen36": "0.94-0.99", "deepseekv3": "0.73-0.92"}
@@ -370,6 +390,10 @@ def format_plan(p: Plan) -> str:
     g = lambda x: f"{x / GiB:10.2f} GiB"
     s = p.spec
     lines = [f"LongStraw memory plan: {s.family}, P={s.prompt_len:,}, G={s.group_size}, "
+             + (f"K={s.updates_per_capture} updates per capture"
+                + (" (drift measured)" if s.drift else "") + ", " if s.updates_per_capture > 1
+                else "")
+             + 
              f"R={s.response_len}, CP={s.cp}, EP={s.ep}, trainable="
              + (f"{s.trainable_params:,} params (given)" if s.trainable_params is not None
                 else s.trainable + (f" (rank {s.lora_rank})" if s.trainable == "lora" else "")),

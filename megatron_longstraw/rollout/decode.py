@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_longstraw.config.sampling import SamplingParams
-from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.config.settings import CaptureSettings, LongStrawConfig, capture_section
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.models.common import (
     decoder_groups,
@@ -50,7 +50,13 @@ from megatron_longstraw.models.common import (
     head_logits,
     run_group,
 )
-from megatron_longstraw.rollout.env import EnvError, EnvLimits, call_step
+from megatron_longstraw.rollout.env import (
+    EnvError,
+    EnvLimits,
+    EnvSetupError,
+    LocalEnvs,
+    observation_ids,
+)
 from megatron_longstraw.state.attention_pass import AttentionPass, CPPass
 from megatron_longstraw.state.pages import LayerRows, PageStore
 
@@ -79,7 +85,9 @@ class Generation:
     """The final reward an environment gave with `done` (None: the reward function decides)."""
     end_reason: str = ""
     """Why the member ended: "stop id", "max_new_tokens", "env done", "max turns", or
-    "env error: ..." (the environment raised, timed out or returned bad ids)."""
+    "env error: ..." naming what went wrong (the environment raised, ran past its timeout, its
+    worker process died, or it returned something that is not ids in the vocabulary / a finite
+    reward: env.py)."""
 
 
 @dataclass
@@ -191,14 +199,21 @@ class DecodeKeys:
 
 
 def generate(model, captured: CapturedPrompt, num_members: int, params: SamplingParams,
-             cfg: LongStrawConfig, envs: Sequence | None = None,
+             settings: CaptureSettings | LongStrawConfig, envs: Sequence | None = None,
              env_limits: EnvLimits | None = None, tokenizer=None) -> list[Generation]:
     """Sample `num_members` responses continuing the captured prompt (module docstring).
 
     `envs` (one per member; env.py): multi-turn trajectories. A member's turn ends at one of
-    its env's stop ids (or after `env_limits.turn_tokens` tokens); the env's observation is then
-    fed in as the member's next input rows, one per decode step beside the other members' sampled
-    rows (prefilled into its branch pages exactly as sampled tokens are), with loss mask 0."""
+    its env's stop ids (or after `env_limits.turn_tokens` tokens); the calls of the members whose
+    turns end at one step run together (at most `env_limits.max_concurrency` at a time), and each
+    env's observation is then fed in as the member's next input rows, one per decode step beside
+    the other members' sampled rows (prefilled into its branch pages exactly as sampled tokens
+    are), with loss mask 0. `envs` is a list of environment objects (called in this process,
+    env.LocalEnvs) or env_workers.WorkerEnvs (each made and called in a worker process); an
+    environment that would never be called, or a factory that fails, raises env.EnvSetupError.
+    `settings`: the capture section, for the block sizes and where pages live (a whole
+    `LongStrawConfig` gives its `capture`)."""
+    capture = capture_section(settings)
     if num_members < 1:
         raise ValueError(f"num_members={num_members}: generate at least one response.")
     if envs is not None and len(envs) != num_members:
@@ -208,8 +223,8 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     groups = decoder_groups(model)
     # Branch pages no longer than a response can fill (a page is allocated whole: a member's
     # first row would otherwise take page_tokens rows per layer and kind).
-    cache = DecodeCache(page_tokens=min(cfg.page_tokens, params.max_new_tokens),
-                        storage_device="cpu" if cfg.offload_pages else device)
+    cache = DecodeCache(page_tokens=min(capture.page_tokens, params.max_new_tokens),
+                        storage_device="cpu" if capture.offload_pages else device)
     active = list(range(num_members))
     last = [captured.last_token] * num_members
     tokens: list[list[int]] = [[] for _ in range(num_members)]
@@ -223,47 +238,60 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     stop_ids = set(params.stop_ids)
     cp = CPPass(layout=captured.layout, global_len=captured.prefix_len,
                 prefix_positions=captured.positions.to(device))
-    with torch.no_grad():
-        for step in range(params.max_new_tokens):
-            cache.members = active
-            position = captured.prefix_len + step
-            state = AttentionPass(
-                mode="decode", positions=torch.full((len(active),), position, device=device),
-                pages=captured.pages, prefix_len=captured.prefix_len, cp=cp,
-                query_block=cfg.query_block, key_block=cfg.key_block, token_block=cfg.token_block,
-                decode=cache, member_selections=[{} for _ in active])
-            hidden = embed(model, torch.tensor([last[m] for m in active], device=device))
-            for group in groups:
-                hidden = run_group(group, hidden, state)
-            logits = head_logits(model, hidden).double().cpu()              # [A, vocab]
-            model_logp = F.log_softmax(logits, dim=-1)
-            sample_logp = _sampling_logprobs(logits, params)
-            picked = _sample(sample_logp, params, [samplers[m] for m in active])
-            still = []
-            for row, member in enumerate(active):
-                path = trajectories[member]
-                forced = bool(path.pending)
-                token = path.pending.pop(0) if forced else int(picked[row])
-                tokens[member].append(token)
-                logps[member].append(float(model_logp[row, token]))
-                sample_logps[member].append(float((model_logp if forced else sample_logp)[row, token]))
-                path.mask.append(not forced)
-                last[member] = token
-                if forced:
-                    ended = False
-                elif token in stop_ids:
-                    stopped[member], path.end_reason, ended = True, "stop id", True
-                else:
-                    path.turn.append(token)
-                    ended = envs is not None and _turn_ends(
-                        envs[member], path, token, limits, model_logp.shape[-1], tokenizer,
-                        room=params.max_new_tokens - len(tokens[member]),
-                        layout=captured.layout)
-                if not ended and len(tokens[member]) < params.max_new_tokens:
-                    still.append(member)
-            active = still
-            if not active:
-                break
+    runner = None if envs is None else envs if hasattr(envs, "call") else LocalEnvs(envs)
+    try:
+        env_stop_ids = None if runner is None else _start_envs(runner, limits, captured.layout)
+        with torch.no_grad():
+            for step in range(params.max_new_tokens):
+                cache.members = active
+                position = captured.prefix_len + step
+                state = AttentionPass(
+                    mode="decode", positions=torch.full((len(active),), position, device=device),
+                    pages=captured.pages, prefix_len=captured.prefix_len, cp=cp,
+                    query_block=capture.query_block, key_block=capture.key_block, token_block=capture.token_block,
+                    decode=cache, member_selections=[{} for _ in active])
+                hidden = embed(model, torch.tensor([last[m] for m in active], device=device))
+                for group in groups:
+                    hidden = run_group(group, hidden, state)
+                logits = head_logits(model, hidden).double().cpu()              # [A, vocab]
+                model_logp = F.log_softmax(logits, dim=-1)
+                sample_logp = _sampling_logprobs(logits, params)
+                picked = _sample(sample_logp, params, [samplers[m] for m in active])
+                ended, due = set(), []     # due: members whose turn closed (an env call each)
+                for row, member in enumerate(active):
+                    path = trajectories[member]
+                    forced = bool(path.pending)
+                    token = path.pending.pop(0) if forced else int(picked[row])
+                    tokens[member].append(token)
+                    logps[member].append(float(model_logp[row, token]))
+                    sample_logps[member].append(float((model_logp if forced else sample_logp)[row, token]))
+                    path.mask.append(not forced)
+                    last[member] = token
+                    if forced:
+                        continue
+                    if token in stop_ids:
+                        stopped[member], path.end_reason = True, "stop id"
+                        ended.add(member)
+                    elif runner is not None:
+                        path.turn.append(token)
+                        if token in env_stop_ids[member] or (
+                                limits.turn_tokens and len(path.turn) >= limits.turn_tokens):
+                            due.append(member)
+                if due:
+                    outcomes = _call_envs(runner, [(m, trajectories[m].turn) for m in due],
+                                          limits, model_logp.shape[-1], tokenizer,
+                                          captured.layout)
+                    for member, outcome in zip(due, outcomes):
+                        if _take_outcome(trajectories[member], outcome, limits,
+                                         room=params.max_new_tokens - len(tokens[member])):
+                            ended.add(member)
+                active = [m for m in active
+                          if m not in ended and len(tokens[m]) < params.max_new_tokens]
+                if not active:
+                    break
+    finally:
+        if runner is not None:
+            runner.close()
     return [Generation(torch.tensor(tokens[m], dtype=torch.long),
                        torch.tensor(logps[m], dtype=torch.float64),
                        torch.tensor(sample_logps[m], dtype=torch.float64), stopped[m],
@@ -286,27 +314,54 @@ class _Trajectory:
     end_reason: str = ""
 
 
-def _turn_ends(env, path: _Trajectory, token: int, limits: EnvLimits, vocab_size: int,
-               tokenizer, room: int, layout=None) -> bool:
-    """After the policy's `token`: when it closes a turn, call the environment and queue its
-    observation (cut to the `room` left). True when the member ends here. Under CP every rank
-    runs the same rows and reaches the same calls in the same order: CP rank 0 calls its
-    environment and broadcasts the outcome, so a tool runs once per call and every rank feeds
-    the same observation."""
-    if token not in set(env.stop_ids) and not (limits.turn_tokens
-                                               and len(path.turn) >= limits.turn_tokens):
-        return False
+def _from_rank0(value, layout):
+    """Under CP: rank 0's `value` on every rank of the group (the other ranks pass None)."""
+    if layout is not None and layout.size > 1:
+        box = [value]
+        torch.distributed.broadcast_object_list(
+            box, src=torch.distributed.get_global_rank(layout.group, 0), group=layout.group)
+        value = box[0]
+    return value
+
+
+def _start_envs(runner, limits: EnvLimits, layout) -> list[set[int]]:
+    """Each member's env stop ids. Under CP, CP rank 0 makes the environments (a worker
+    process's factory runs once) and broadcasts their stop ids, or the error every rank then
+    raises (EnvSetupError: the run's, not a member's)."""
     outcome = None
     if layout is None or layout.rank == 0:
         try:
-            outcome = call_step(env, path.turn, limits, vocab_size, tokenizer)
-        except EnvError as exc:
-            outcome = f"env error: {exc}"
-    if layout is not None and layout.size > 1:
-        box = [outcome]
-        torch.distributed.broadcast_object_list(
-            box, src=torch.distributed.get_global_rank(layout.group, 0), group=layout.group)
-        outcome = box[0]
+            outcome = runner.start(limits)
+        except ValueError as exc:
+            outcome = str(exc)
+    outcome = _from_rank0(outcome, layout)
+    if isinstance(outcome, str):
+        raise EnvSetupError(outcome)
+    return [set(ids) for ids in outcome]
+
+
+def _call_envs(runner, due: list[tuple[int, list[int]]], limits: EnvLimits, vocab_size: int,
+               tokenizer, layout) -> list:
+    """The due calls, concurrently (the runner) -> per call (observation ids, the step) or
+    "env error: ...". Under CP every rank runs the same rows and reaches the same calls: CP
+    rank 0 calls the environments and broadcasts the outcomes, so a tool runs once per call
+    and every rank feeds the same observation."""
+    outcomes = None
+    if layout is None or layout.rank == 0:
+        outcomes = []
+        for outcome in runner.call(due, limits):
+            if not isinstance(outcome, str):
+                try:
+                    outcome = (observation_ids(outcome, vocab_size, tokenizer), outcome)
+                except EnvError as exc:
+                    outcome = f"env error: {exc}"
+            outcomes.append(outcome)
+    return _from_rank0(outcomes, layout)
+
+
+def _take_outcome(path: _Trajectory, outcome, limits: EnvLimits, room: int) -> bool:
+    """A member's call outcome: queue its observation (cut to the `room` left) or record why it
+    ends. True when the member ends here."""
     if isinstance(outcome, str):
         path.end_reason = outcome
         return True
@@ -315,7 +370,7 @@ def _turn_ends(env, path: _Trajectory, token: int, limits: EnvLimits, vocab_size
                        "reward": step.reward})
     path.turn = []
     if step.done:
-        path.reward = None if step.reward is None else float(step.reward)
+        path.reward = step.reward
         path.end_reason = "env done"
         return True
     if len(path.turns) >= limits.max_turns:

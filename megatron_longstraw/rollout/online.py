@@ -1,15 +1,19 @@
 """The online loop's rollout (`--longstraw-rollout online`, docs/design.md section 2): per group of
 the step, the prompt is captured once under the current policy, G responses are generated from
 that capture (decode.py), the reward function scores them (rewards.py), and the training step
-scores, replays and back-propagates over the same capture. The state is captured again every
-step, so it is never stale; nothing of the prompt is computed twice.
+scores, replays and back-propagates over the same capture; nothing of the prompt is computed
+twice. With one update per capture (the default) the state is captured again every step, so it
+is never stale; with K updates per capture (`--longstraw-updates-per-capture`) G x K responses
+are generated and the capture serves K updates (step/schedule.py `train_on_capture`; its
+staleness measured with `--longstraw-drift-every` / `--longstraw-drift-first-last`).
 
     for each of this replica's prompts (dataset.py order, global sample g):
         captured  = capture_prompt(policy, prompt)            (+ backward inputs in exact mode)
         responses = generate(policy, captured, G, seed + g)   (decode.py)
         rewards   = reward_fn(prompt, response, text, meta)   (rewards.py; a failure stops the
                                                               step before any update)
-    train_step(policy, groups, captures)                      (schedule.py: scoring, replay, ...)
+    train_step(policy, groups, captures)                      (schedule.py: scoring, replay, ...;
+                                                              K > 1: train_on_capture)
 
 The engine log-probs of the generated responses (the group's `logps_old`) are the sampling
 distribution's (decode.Generation.sample_logprobs): with temperature 1 and no truncation they
@@ -38,11 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_longstraw.config.sampling import SamplingParams
-from megatron_longstraw.config.settings import LongStrawConfig
+from megatron_longstraw.config.settings import EnvironmentSettings, LongStrawConfig
 from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.rollout.decode import generate
-from megatron_longstraw.rollout.env import EnvLimits, load_env_factory
+from megatron_longstraw.rollout.env import EnvLimits, EnvSetupError
+from megatron_longstraw.rollout.env_workers import WorkerEnvs
 from megatron_longstraw.rollout.rewards import compute_rewards
 from megatron_longstraw.runtime.errors import ConfigError
 
@@ -62,27 +67,34 @@ class Rollout:
 
 
 def sampling_params(cfg: LongStrawConfig, seed: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=cfg.max_new_tokens or cfg.max_response_len,
-                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          stop_ids=tuple(cfg.stop_ids), seed=seed)
+    rollout = cfg.rollout
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens(), temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k,
+                          stop_ids=tuple(rollout.stop_ids), seed=seed)
 
 
 def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tokenizer=None,
                   control: str = "none") -> Rollout:
-    """Capture `record`'s prompt (data.GroupRecord of a prompt line), generate `cfg.group_size`
-    responses from it with `seed`, reward them (module docstring)."""
+    """Capture `record`'s prompt (data.GroupRecord of a prompt line), generate
+    `cfg.members_per_group()` responses from it (G x K with K updates per capture) with `seed`,
+    reward them (module docstring)."""
     prompt = record.group.prompt_ids
-    captured = capture_prompt(model, prompt, cfg, prompt_grad=cfg.prompt_grad)
+    captured = capture_prompt(model, prompt, cfg.capture, prompt_grad=cfg.replay.prompt_grad)
     if control == "zeros":
         captured.pages.zero_()
     start = time.perf_counter()
     source = getattr(record.group, "source", None) or f"line {record.line}"
     name = source + (f" (id {record.id!r})" if record.id != record.line else "")
-    envs = (make_envs(cfg, record, prompt, tokenizer, name, cfg.group_size) if cfg.env
-            else None)
-    generations = generate(model, captured, cfg.group_size, sampling_params(cfg, seed), cfg,
-                           envs=envs, env_limits=env_limits(cfg) if envs else None,
-                           tokenizer=tokenizer)
+    members = cfg.members_per_group()   # G, or G x K with K updates per capture
+    envs = (make_envs(cfg.environment, record, prompt, tokenizer, name, members)
+            if cfg.environment.env else None)
+    try:
+        generations = generate(model, captured, members, sampling_params(cfg, seed),
+                               cfg.capture, envs=envs,
+                               env_limits=env_limits(cfg.environment) if envs else None,
+                               tokenizer=tokenizer)
+    except EnvSetupError as exc:   # the factory failed on this record: the run's data or code
+        raise ConfigError(f"{name}: {exc}") from exc
     responses = [g.token_ids for g in generations]
     trajectories = None
     if envs is None:
@@ -98,24 +110,21 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     return Rollout(group, captured, time.perf_counter() - start, trajectories)
 
 
-def env_limits(cfg: LongStrawConfig) -> EnvLimits:
-    return EnvLimits(max_turns=cfg.env_max_turns, turn_tokens=cfg.env_turn_tokens,
-                     timeout_s=cfg.env_timeout)
+def env_limits(environment: EnvironmentSettings) -> EnvLimits:
+    return EnvLimits(max_turns=environment.env_max_turns, turn_tokens=environment.env_turn_tokens,
+                     timeout_s=environment.env_timeout,
+                     max_concurrency=environment.env_max_concurrency)
 
 
-def make_envs(cfg: LongStrawConfig, record, prompt, tokenizer, name: str, count: int) -> list:
-    """`count` environments, one per member, from the record (`factory(meta, prompt_ids, tokenizer)`); a
-    factory that fails is the run's configuration or data, not one member's: it stops the step
-    with the record named."""
-    factory = load_env_factory(cfg.env)
-    envs = []
-    for _ in range(count):
-        try:
-            envs.append(factory(record.meta, prompt, tokenizer))
-        except Exception as exc:
-            raise ConfigError(f"{name}: the environment factory {cfg.env} raised "
-                             f"{type(exc).__name__}: {exc}") from exc
-    return envs
+def make_envs(environment: EnvironmentSettings, record, prompt, tokenizer, name: str,
+              count: int) -> WorkerEnvs:
+    """`count` environments, one per member, from the record (`factory(meta, prompt_ids,
+    tokenizer)`), each made in a worker process of its own when generation starts
+    (env_workers.py; under CP on CP rank 0 only). A factory that fails is the run's
+    configuration or data, not one member's: it stops the step with the record named
+    (`rollout_group`; `name` is kept for callers that report it themselves)."""
+    del name
+    return WorkerEnvs(environment.env, record.meta, prompt, tokenizer, count)
 
 
 def env_rewards(generations, reward_fn, prompt, record, tokenizer, name: str):

@@ -22,8 +22,9 @@ run. This module is the one place that says which exceptions those are (`is_user
 and model configs, where every ValueError is about what the user gave): a plain ValueError raised
 inside becomes a ConfigError with the same message.
 
-`run_entry(main)` is what the launcher (examples/pretrain_gpt.py -> train.cli) and tools/score.py
-run: a user error becomes one line on stderr, `error: <cause and where>`, and exit code 2, without
+`run_entry(main)` is what the launcher (examples/pretrain_gpt.py -> train.cli), tools/score.py and
+tools/generate.py run: after `main` returns, the process groups are ended (`end_process_groups`);
+a user error becomes one line on stderr, `error: <cause and where>`, and exit code 2, without
 a traceback; any other exception keeps its traceback (it is a bug). Under torchrun the line also
 goes to the worker's TORCHELASTIC_ERROR_FILE: torchrun's own failure report (its ChildFailedError
 traceback, which a worker cannot silence) then names it as the root cause. Under torchrun every rank
@@ -109,7 +110,9 @@ def run_entry(main, *args, **kwargs):
     """`main(*args, **kwargs)`, with user errors reported as one line and exit code 2 (module
     docstring); other exceptions propagate with their traceback."""
     try:
-        return main(*args, **kwargs)
+        result = main(*args, **kwargs)
+        end_process_groups()
+        return result
     except PeerFailure:
         _post_rank0(_PEER)
         time.sleep(PEER_WAIT_S if _world() > 1 else 0.0)  # the launcher stops us once it printed
@@ -122,6 +125,24 @@ def run_entry(main, *args, **kwargs):
         if parent_watch.orphaned():   # the launcher's end surfaced as this error: say that
             parent_watch.exit_orphaned()
         raise
+
+
+def end_process_groups() -> None:
+    """After a run that succeeded on every rank: a barrier (no rank still in a collective), then
+    torch.distributed's groups destroyed (the default group and every group Megatron created;
+    Megatron's parallel state forgets them, so a later `parallel.initialize` in the same process
+    starts afresh).
+    A gloo group left for the interpreter's teardown to destroy can abort the worker after its
+    work is done ("terminate called without an active exception", SIGABRT: torchrun then
+    reports the run failed; pytorch/pytorch#190489). A no-op without torch.distributed."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    dist.barrier()
+    megatron_state = sys.modules.get("megatron.core.parallel_state")
+    if megatron_state is not None and megatron_state.model_parallel_is_initialized():
+        megatron_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _error_file(exc: BaseException) -> None:

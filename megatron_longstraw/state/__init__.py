@@ -1,3 +1,3 @@
 """What a pass reads and writes: the paged store of captured state (`pages`) and the
 attention pass (`attention_pass`: mode, positions, pages, selections) handed explicitly to every
-state-aware mixer. Imports: runtime, kernels, distributed, data."""
+state-aware mixer. Imports: config, runtime, kernels, distributed, data."""

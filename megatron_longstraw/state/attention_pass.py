@@ -62,12 +62,12 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 import torch
 
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.state.pages import PageStore
 from megatron_longstraw.distributed.cp_layout import CPLayout
 
@@ -75,20 +75,6 @@ Mode = Literal["full", "capture", "capture_block", "capture_rows", "score", "rep
                "prompt_backward", "prompt_rows", "decode"]
 BRANCH_MODES = ("score", "replay")
 """Modes whose current tokens are a response branch over captured pages."""
-
-
-class PromptGrad(enum.StrEnum):
-    """The prompt state's gradient (`LongStrawConfig.prompt_grad`, docs/design.md section 7). A
-    `StrEnum`: YAML, flags, JSON and f-strings keep the strings "detached" / "exact". Defined
-    here, beside the pass that reads it, because state/ sits below config/ (config.settings
-    imports it from here)."""
-
-    DETACHED = "detached"
-    """d loss / d theta at fixed prompt state (the paper's): prompt pages are constants."""
-    EXACT = "exact"
-    """Standard GRPO's gradient: replay sends d loss / d state to the pages' cotangent buffers,
-    then the prompt's backward (pass mode `prompt_backward`, prompt_backward.py) runs the
-    prompt's layers in reverse."""
 
 
 @dataclass(frozen=True)

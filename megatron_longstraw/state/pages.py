@@ -51,14 +51,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_longstraw.config.choices import PAGE_FORMATS
 from megatron_longstraw.kernels import fp8
 from megatron_longstraw.runtime.memory import note_host
 
 __all__ = ["PAGE_FORMATS", "LayerRows", "PageStore"]
-
-PAGE_FORMATS = ("model", "fp8")
-"""Storage formats of a sequence kind (module docstring): the storage dtype, or FP8 rows."""
-
 
 class _IntoGradBuffer(torch.autograd.Function):
     """Identity on a page's value whose backward hands the cotangent to `sink` (a page's cotangent

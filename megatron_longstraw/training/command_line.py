@@ -8,7 +8,6 @@ runs them all).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,13 +15,13 @@ import torch
 
 from megatron_longstraw.models.registry import check_parallel_sizes, family_of_config, get_family
 from megatron_longstraw.runtime.errors import FlagError
-from megatron_longstraw.state.attention_pass import PromptGrad
+from megatron_longstraw.config.choices import PromptGrad
 from megatron_longstraw.training import arguments
 from megatron_longstraw.training.arguments import (
     LoRASettings,
     explicit_flags,
     longstraw_config_from_args,
-    lora_settings_from_args,
+    lora_settings,
     model_config_values,
 )
 
@@ -107,30 +106,30 @@ def resolve_lora(args, family: str, ls):
     for LoRA runs only (the base with adapters off)."""
     from megatron_longstraw.kernels import select
 
-    lora = lora_settings_from_args(args, get_family(family).lora_targets, ls.seed)
+    lora = lora_settings(ls.adapters, get_family(family).lora_targets, ls.run.seed)
     if lora is None:
-        if ls.kl_coef > 0:
+        if ls.loss.kl_coef > 0:
             raise ValueError(
-                f"--longstraw-kl-coef {ls.kl_coef:g} needs a reference policy. The launcher "
+                f"--longstraw-kl-coef {ls.loss.kl_coef:g} needs a reference policy. The launcher "
                 "provides it for LoRA / QLoRA runs (--longstraw-lora / --longstraw-qlora: the "
                 "frozen base with adapters off, no second copy of the model); a full-parameter "
                 "run would need a frozen copy of the initial model, which the launcher does not "
                 "build. Set --longstraw-kl-coef 0 or train adapters.")
         return None, ls
-    if ls.prompt_grad is PromptGrad.EXACT and lora.config.dropout > 0:
+    if ls.replay.prompt_grad is PromptGrad.EXACT and lora.config.dropout > 0:
         raise ValueError(f"--longstraw-lora-dropout {lora.config.dropout:g} with "
                          "--longstraw-prompt-grad exact: the prompt backward recomputes the "
                          "prompt's forward, which capture ran without dropout; a dropout sample "
                          "there would differentiate another function. Set the dropout to 0 or "
                          "use the detached prompt gradient.")
-    dense = select.parse_spec(ls.kernels)["dense"]
+    dense = select.parse_spec(ls.run.kernels)["dense"]
     if dense == "te":
-        raise ValueError(f"--longstraw-kernels {ls.kernels}: LoRA wraps Megatron's local linear "
+        raise ValueError(f"--longstraw-kernels {ls.run.kernels}: LoRA wraps Megatron's local linear "
                          "layers (ColumnParallelLinear / RowParallelLinear), not "
                          "TransformerEngine's; add dense=ref (e.g. --longstraw-kernels "
                          "auto,dense=ref).")
     if dense == "auto":
-        ls = dataclasses.replace(ls, kernels=f"{ls.kernels},dense=ref")
+        ls = ls.replace(kernels=f"{ls.run.kernels},dense=ref")
     return lora, ls
 
 

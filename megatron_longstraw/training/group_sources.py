@@ -60,7 +60,7 @@ def ls_rollout(args) -> str:
     if getattr(args, "longstraw_config", None):
         from megatron_longstraw.training.arguments import longstraw_config_from_yaml
 
-        return longstraw_config_from_yaml(args.longstraw_config).rollout
+        return longstraw_config_from_yaml(args.longstraw_config).rollout.mode
     return "offline"
 
 
@@ -82,16 +82,21 @@ def _group_check(path, ls):
 
     def check(record) -> None:
         group, field = record.group, record.response_field
-        if len(group.response_ids) != ls.group_size:
+        if len(group.response_ids) != ls.members_per_group():
+            k = ls.reuse.updates_per_capture
+            size = (f"{ls.group.group_size} (--longstraw-group-size, YAML longstraw.group_size)"
+                    if k == 1 else
+                    f"{ls.members_per_group()}: one capture serves {k} updates "
+                    f"(--longstraw-updates-per-capture) of {ls.group.group_size} members "
+                    "(--longstraw-group-size)")
             raise DataError(path, record.line, field,
                             f"has {len(group.response_ids)} responses but the group size is "
-                            f"{ls.group_size} (--longstraw-group-size, YAML longstraw.group_size);"
-                            " give every member of the group or change the group size.")
+                            f"{size}; give every member of the group or change the group size.")
         for i, response in enumerate(group.response_ids):
-            if response.numel() > ls.max_response_len:
+            if response.numel() > ls.group.max_response_len:
                 raise DataError(path, record.line, field,
                                 f"item {i} has {response.numel()} tokens, more than "
-                                f"--longstraw-max-response-len {ls.max_response_len} (YAML "
+                                f"--longstraw-max-response-len {ls.group.max_response_len} (YAML "
                                 "longstraw.max_response_len); raise the limit or drop the "
                                 "member.")
     return check
@@ -102,9 +107,9 @@ def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: boo
     dataset.GroupDataset, every line checked against the model and the step settings before any
     process group starts (a bad line is a DataError naming file, line and field); None without
     a path (synthetic data). Lines must carry "rewards" unless a reward function computes them
-    (`require_rewards` None: ls.reward is None)."""
+    (`require_rewards` None: ls.group.reward is None)."""
     if require_rewards is None:
-        require_rewards = ls.reward is None
+        require_rewards = ls.group.reward is None
     path = args.longstraw_data if path is None else path
     if not path:
         return None
@@ -112,7 +117,7 @@ def read_data(args, model_cfg, ls, path: str | None = None, require_rewards: boo
     from megatron_longstraw.data.dataset import GroupDataset
 
     tokenizer = load_tokenizer(args.longstraw_tokenizer) if args.longstraw_tokenizer else None
-    if ls.rollout == "online" and path == args.longstraw_data:   # prompt lines (rollout.py)
+    if ls.rollout.mode == "online" and path == args.longstraw_data:   # prompt lines (rollout.py)
         return GroupDataset(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
                             require_rewards=False, prompt_only=True)
     return GroupDataset(path, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
@@ -123,15 +128,15 @@ def load_reward_fn(args, ls):
     """The reward function of --longstraw-reward (YAML longstraw.reward; rewards.py), or None.
     It scores the --longstraw-data lines that carry no "rewards", so it is refused without
     --longstraw-data (the synthetic groups carry their own)."""
-    if ls.reward is None:
+    if ls.group.reward is None:
         return None
     if not args.longstraw_data:
-        raise ConfigError(f"--longstraw-reward {ls.reward} scores the responses of "
+        raise ConfigError(f"--longstraw-reward {ls.group.reward} scores the responses of "
                           "--longstraw-data lines without 'rewards'; pass --longstraw-data (the "
                           "synthetic groups carry their own rewards) or drop the reward.")
     from megatron_longstraw.rollout.rewards import load_reward
 
-    return load_reward(ls.reward)
+    return load_reward(ls.group.reward)
 
 
 def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int,
@@ -150,16 +155,16 @@ def step_groups(args, model_cfg, ls, sampler, data, consumed_groups: int,
     from megatron_longstraw.data.groups import synthetic_group
 
     prompt_len = args.longstraw_synthetic_prompt_len or 4096
-    return [synthetic_group(model_cfg.vocab_size, prompt_len, ls.group_size,
-                            min(args.longstraw_synthetic_response_len, ls.max_response_len),
-                            seed=ls.seed + g) for g in indices]
+    return [synthetic_group(model_cfg.vocab_size, prompt_len, ls.members_per_group(),
+                            min(args.longstraw_synthetic_response_len, ls.group.max_response_len),
+                            seed=ls.run.seed + g) for g in indices]
 
 
 def online_groups(model, ls, sampler, data, consumed_groups: int, reward_fn):
     """The online loop: this replica's groups of the step, each generated from its own capture
     of the prompt and rewarded (rollout.py); sample g generates with seed + g, so a resumed run
     generates what the uninterrupted one did. -> `online.DynamicBatch`: with
-    `ls.dynamic_sampling` the groups whose rewards are all equal are dropped and extra rounds
+    `ls.rollout.dynamic_sampling` the groups whose rewards are all equal are dropped and extra rounds
     take the next batches of prompts (B = `sampler`'s global batch each, so the step consumes
     B x (1 + extra_rounds) groups; rounds agreed over the world); without it, the step's
     groups as generated (counts: nothing dropped)."""
@@ -171,14 +176,14 @@ def online_groups(model, ls, sampler, data, consumed_groups: int, reward_fn):
 
     def generate_round(round_idx: int) -> list:
         start = consumed_groups + round_idx * batch
-        return [rollout_group(model, data.record(index), ls, reward_fn, seed=ls.seed + g,
-                              tokenizer=data.tokenizer, control=ls.control)
+        return [rollout_group(model, data.record(index), ls, reward_fn, seed=ls.run.seed + g,
+                              tokenizer=data.tokenizer, control=ls.rollout.control)
                 for index, g in zip(sampler.step_indices(start), sampler.global_indices(start))]
 
     with memory.phase("rollout"):
-        if not ls.dynamic_sampling:
+        if not ls.rollout.dynamic_sampling:
             rollouts = generate_round(0)
             return DynamicBatch(rollouts, len(rollouts), 0, 0, 0, 0)
         return dynamic_sampling_batch(generate_round, sampler.micro_batches,
-                                      ls.dynamic_sampling_rounds,
+                                      ls.rollout.dynamic_sampling_rounds,
                                       agree_short=lambda short: any_rank([short])[0])

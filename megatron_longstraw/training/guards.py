@@ -7,8 +7,8 @@ the same) and
   1: within each group all rewards are equal, so the policy term has no gradient), naming the
   likely cause from the entropy and the reward;
 - warns, once per run, when the policy's entropy over the trained tokens falls below
-  `LongStrawConfig.entropy_floor` (`--longstraw-entropy-floor`; 0 disables it);
-- with `LongStrawConfig.stop_after_no_signal` N > 0 (`--longstraw-stop-after-no-signal`), returns
+  `GuardSettings.entropy_floor` (`--longstraw-entropy-floor`; 0 disables it);
+- with `GuardSettings.stop_after_no_signal` N > 0 (`--longstraw-stop-after-no-signal`), returns
   a reason to stop after N consecutive steps with no signal (every group zero advantage); the
   launcher then stops as an exit condition does (a checkpoint with --save, the receipt).
 

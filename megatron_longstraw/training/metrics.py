@@ -120,6 +120,16 @@ class StepLogger:
                 f" replay {result.phase_seconds['replay']:.1f}s")
         if "prompt_backward" in result.phase_seconds:   # --longstraw-prompt-grad exact
             line += f" prompt-backward {result.phase_seconds['prompt_backward']:.1f}s"
+        if "drift" in result.phase_seconds:   # drift measured: a fresh capture
+            line += f" drift {result.phase_seconds['drift']:.1f}s"
+        if "update_in_capture" in result.stats:   # --longstraw-updates-per-capture K > 1
+            line += f" | update {int(result.stats['update_in_capture']) + 1} of the capture"
+        if "drift/logp_abs_mean" in result.stats:   # the kept capture against a fresh one
+            s = result.stats
+            line += (f" | drift |dlogp| {s['drift/logp_abs_mean']:.2e} max "
+                     f"{s['drift/logp_abs_max']:.2e} kl {s['drift/kl']:.2e} grad cos "
+                     f"{s['drift/grad_cosine']:.4f}"
+                     + (" (recaptured)" if s.get("drift/recaptured") else ""))
         line += f" | pages {human_bytes(result.page_bytes)}"
         if not self.explained_zero_loss and on_policy_zero_loss(result):
             self.explained_zero_loss = True
@@ -131,8 +141,10 @@ class StepLogger:
         if "env/turns_mean" in extra:   # environments (rollout/env.py): per member, this rank
             line += (f" | turns {extra['env/turns_mean']:.1f} (observation tokens "
                      f"{extra['env/observation_tokens_mean']:.1f})")
-            if extra["env/errors"]:
-                line += f" env errors {int(extra['env/errors'])}"
+            if "env/ends_done" in extra:   # members per end kind (train.py end_kind)
+                line += " | ends: " + ", ".join(
+                    f"{kind.replace('_', ' ')} {int(extra['env/ends_' + kind])}"
+                    for kind in ("done", "env_error", "timeout", "budget", "stop"))
         if "mismatch_abs_mean" in result.stats:   # the engine's log-probs (offpolicy.py)
             line += (f" | mismatch |d| {result.stats['mismatch_abs_mean']:.2e} max "
                      f"{result.stats['mismatch_abs_max']:.2e} kl {result.stats['mismatch_kl']:.2e}")

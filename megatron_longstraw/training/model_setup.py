@@ -142,7 +142,7 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     meta = {"family": family, "initial_weights": str(Path(init).resolve()) if init else None,
             "lora": None, "dtype": model_format.DTYPE_NAMES[dtype]}   # dtype: checkpointing/export.py
     if lora is not None:
-        base = {"source": meta["initial_weights"], "seed": None if init else ls.seed}
+        base = {"source": meta["initial_weights"], "seed": None if init else ls.run.seed}
         fingerprint = checkpoint.model_fingerprint(model)
         if saved is not None:
             checkpoint.check_lora_base(resume, saved["lora"]["base"], fingerprint, base)
@@ -169,6 +169,6 @@ def setup_model(args, family: str, model_cfg, dtype, ls, lora: LoRASettings | No
     if resume is not None:
         first_step, resumed = checkpoint.load_checkpoint(resume, model, optimizer)
         messages.append(f"resumed from {resume} at step {first_step}")
-    ref_model = adapters.reference_view(model) if lora is not None and ls.kl_coef > 0 else None
+    ref_model = adapters.reference_view(model) if lora is not None and ls.loss.kl_coef > 0 else None
     return Setup(model, optimizer, ref_model, first_step, lora, meta, messages,
                  resumed=resumed if resume is not None else None)

@@ -22,6 +22,9 @@ PANELS = (
     ("time/step_s", "wall time per step (s; phases dashed)"),
 )
 """(history key, panel title) of each panel, in reading order."""
+DRIFT_PANEL = ("grpo/drift/logp_abs_mean",
+               "drift of the kept capture: mean |d logp| (dashed: max; --longstraw-drift-every / -first-last)")
+"""A seventh panel, for a run that measured its kept captures' drift."""
 
 
 def moving_average(curve: list[float], window: int) -> list[float]:
@@ -52,14 +55,19 @@ def _series(history: list[dict], key: str) -> list[float]:
 
 
 def write_run_png(history: list[dict], path: str | Path, title: str) -> Path:
-    """The PNG of the module docstring at `path` (a 2 x 3 grid, one panel per `PANELS` entry;
+    """The PNG of the module docstring at `path` (a 2 x 3 grid, one panel per `PANELS` entry, and
+    a seventh, `DRIFT_PANEL`, when the history has the drift of kept captures;
     a figure the run did not record, such as the entropy of a run without replay, is an empty
     panel saying so). ImportError without matplotlib (`pyplot`)."""
     plt = pyplot()
     path = Path(path)
     steps = [int(h["step"]) for h in history]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), sharex=True)
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    panels = PANELS + ((DRIFT_PANEL,) if any(DRIFT_PANEL[0] in h for h in history) else ())
+    columns = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, columns, figsize=(13 * columns / 3, 6.5), sharex=True)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax, (key, label) in zip(axes.flat, panels):
         values = _series(history, key)
         ax.set_title(label, fontsize=9)
         if all(math.isnan(v) for v in values):
@@ -74,6 +82,9 @@ def write_run_png(history: list[dict], path: str | Path, title: str) -> Path:
                             [v + s for v, s in zip(values, spread)], alpha=0.2, lw=0)
         if key == "grpo/zero_advantage_frac":
             ax.set_ylim(-0.05, 1.05)
+        if key == DRIFT_PANEL[0]:
+            ax.plot(steps, _series(history, "grpo/drift/logp_abs_max"), ls="--", lw=0.9)
+            ax.set_yscale("log")
         if key == "time/step_s":
             phases = sorted({k for h in history for k in h
                              if k.startswith("time/") and k != "time/step_s"})

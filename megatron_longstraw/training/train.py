@@ -61,6 +61,8 @@ import torch.distributed as dist
 
 from megatron_longstraw.data.dataset import GroupSampler
 from megatron_longstraw.models.registry import get_family
+from megatron_longstraw.rollout import env_workers
+from megatron_longstraw.rollout.env import load_env_factory
 from megatron_longstraw.checkpointing import save_lock
 from megatron_longstraw.runtime import errors, parent_watch
 from megatron_longstraw.runtime.memory import LiveBytesMeter, SavedTensorMeter
@@ -104,17 +106,21 @@ def main(argv: list[str] | None = None) -> dict:
     launch = configure(argv)
     configure_logging()   # after Megatron's import-time logging setup: information on rank 0
     data, eval_data = read_inputs(launch)
+    check_environment(launch, data)   # --longstraw-env: one made up front, before the model
     layout = start_process_groups(launch, eval_data)
-    with save_lock.holding(launch.args.save, layout.rank) as took_over:   # one writer in --save
-        run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype, launch.ls,
-                          launch.lora, layout.ep)
-        params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
-        announce(([took_over] if took_over else []) + run.messages, layout)
-        loop = start_loop(launch, layout, run, data, eval_data)
-        train_steps(launch, layout, run, loop, start)
-        loop.logger.close()
-        save_merged(launch, layout, run, loop)
-        return write_receipt(launch, layout, run, loop, params, start)
+    try:
+        with save_lock.holding(launch.args.save, layout.rank) as took_over:   # one writer in --save
+            run = setup_model(launch.args, launch.family, launch.model_cfg, launch.dtype,
+                              launch.ls, launch.lora, layout.ep)
+            params = parameter_counts(run.model)   # the receipt's figures (collective under EP)
+            announce(([took_over] if took_over else []) + run.messages, layout)
+            loop = start_loop(launch, layout, run, data, eval_data)
+            train_steps(launch, layout, run, loop, start)
+            loop.logger.close()
+            save_merged(launch, layout, run, loop)
+            return write_receipt(launch, layout, run, loop, params, start)
+    finally:   # --longstraw-env: no environment worker outlives the run (hung ones were killed)
+        env_workers.shutdown()
 
 
 # ---- before the loop ----------------------------------------------------------------------------
@@ -149,10 +155,33 @@ def configure(argv: list[str] | None) -> Launch:
         check_data_flags(args, given)
         refuse_unimplemented(args, given, family)   # e.g. --optimizer sgd: never ignored
         reward_fn = load_reward_fn(args, ls)
+        if ls.environment.env:   # a wrong module path or attribute: one line, before any work
+            load_env_factory(ls.environment.env)
         total_iters = args.train_iters or 1
+        check_updates_per_capture(args, ls, total_iters)
         lr_schedule.build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
                                     total_iters)   # the schedule's flags, checked before any work
     return Launch(args, given, family, model_cfg, ls, dtype, lora, reward_fn, total_iters)
+
+
+def check_updates_per_capture(args, ls, total_iters: int) -> None:
+    """With K updates per capture (E x K with --longstraw-epochs E), the counts of updates that
+    end at a capture boundary (the run's length, saves, evaluations, exits) are multiples of it: a capture's updates are never
+    cut (its members were generated or read for all K)."""
+    per_capture = ls.steps_per_capture()
+    if per_capture == 1:
+        return
+    what = (f"--longstraw-updates-per-capture {per_capture}" if ls.reuse.epochs == 1 else
+            f"--longstraw-updates-per-capture {ls.reuse.updates_per_capture} x --longstraw-epochs "
+            f"{ls.reuse.epochs} = {per_capture}")
+    for flag, value in (("--train-iters", total_iters), ("--save-interval", args.save_interval),
+                        ("--eval-interval", args.eval_interval if args.longstraw_eval_data
+                         else None), ("--exit-interval", args.exit_interval)):
+        if value and value % per_capture:
+            raise ValueError(f"{flag} {value} is not a multiple of {what}: a capture serves "
+                             f"{per_capture} updates, and saves, "
+                             "evaluations and exits happen between captures; give a multiple "
+                             f"(e.g. {max(per_capture, value // per_capture * per_capture)}).")
 
 
 def read_inputs(launch: Launch) -> tuple:
@@ -164,6 +193,28 @@ def read_inputs(launch: Launch) -> tuple:
     eval_data = (read_data(args, model_cfg, ls, args.longstraw_eval_data, require_rewards=False)
                  if args.longstraw_eval_data else None)
     return data, eval_data
+
+
+def check_environment(launch: Launch, data) -> None:
+    """--longstraw-env: make one environment from the first prompt line, in a worker process
+    as a rollout would (rollout/env_workers.py), before the model loads: a factory that raises
+    or returns no environment, or an environment that would never be called (no stop_ids with
+    --longstraw-env-turn-tokens 0), is a one-line error now, not after the model load and the
+    first capture."""
+    from megatron_longstraw.rollout.env_workers import probe_factory
+    from megatron_longstraw.rollout.online import env_limits
+
+    environment = launch.ls.environment
+    if not environment.env or data is None or not len(data):
+        return
+    with errors.configuration():
+        record = data.record(0)
+        name = record.group.source + (f" (id {record.id!r})" if record.id != record.line else "")
+        try:
+            probe_factory(environment.env, record.meta, record.group.prompt_ids, data.tokenizer,
+                          env_limits(environment))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
 
 
 @dataclasses.dataclass
@@ -192,12 +243,12 @@ def start_process_groups(launch: Launch, eval_data) -> Layout:
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw.kernels import select
     from megatron_longstraw.runtime import precision
-    from megatron_longstraw.training.evaluate import eval_group_count
+    from megatron_longstraw.step.evaluate import eval_group_count
 
     args, ls = launch.args, launch.ls
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
-    select.use(ls.kernels)
-    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.seed,
+    select.use(ls.run.kernels)
+    parallel.initialize(context_parallel_size=cp, expert_parallel_size=ep, seed=ls.run.seed,
                         timeout_s=args.distributed_timeout_minutes * 60.0)
     precision.use_dtype(launch.dtype)  # float64: Megatron's float32 islands kept in float64
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -250,14 +301,22 @@ def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> L
     0), the step logger, and the LR scheduler (restored when resuming)."""
     args = launch.args
     sampler = GroupSampler(len(data) if data is not None else None, layout.batch, layout.dp_rank,
-                           layout.dp_size, launch.ls.seed, shuffle=args.longstraw_data_shuffle)
+                           layout.dp_size, launch.ls.run.seed, shuffle=args.longstraw_data_shuffle)
     consumed = int((run.resumed or {}).get("consumed_groups", run.first_step * layout.batch))
     logger = StepLogger(args.tensorboard_dir, enabled=layout.rank == 0)
     scheduler = lr_schedule.build_scheduler(args, run.optimizer, launch.total_iters)
     if run.resumed is not None:
         lr_schedule.restore(scheduler, run.resumed, run.first_step)
+    per_capture = launch.ls.steps_per_capture()
+    if run.first_step % per_capture:
+        with errors.configuration():
+            raise ValueError(f"The checkpoint resumed holds {run.first_step} steps, not a multiple "
+                             f"of the {per_capture} updates a capture serves "
+                             "(--longstraw-updates-per-capture x --longstraw-epochs): it was "
+                             "saved by a run with other updates per capture. Resume with that run's value "
+                             "(a capture's updates are never cut).")
     skipped = int((run.resumed or {}).get("skipped_steps", 0))
-    guard = SignalGuard(launch.ls.entropy_floor, launch.ls.stop_after_no_signal,
+    guard = SignalGuard(launch.ls.guards.entropy_floor, launch.ls.guards.stop_after_no_signal,
                         enabled=layout.rank == 0)
     return Loop(data, eval_data, sampler, consumed, scheduler, logger, skipped,
                 steps_done=run.first_step, guard=guard)
@@ -267,17 +326,18 @@ def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> L
 
 
 def train_steps(launch: Launch, layout: Layout, run: Setup, loop: Loop, start: float) -> None:
-    """Steps first_step .. --train-iters - 1, each followed by the evaluation, the exit
-    conditions (--exit-signal-handler, --exit-duration-in-mins, --exit-interval;
-    exit_conditions.py) and the save when due."""
+    """Steps first_step .. --train-iters - 1, a capture at a time (K updates each,
+    --longstraw-updates-per-capture; 1 by default), each capture followed by the evaluation, the
+    exit conditions (--exit-signal-handler, --exit-duration-in-mins, --exit-interval;
+    exit_conditions.py) and the save when due: saves and exits happen at capture boundaries."""
     args = launch.args
+    per_capture = launch.ls.steps_per_capture()
     with ExitConditions(args, start) as exits:
-        for step in range(run.first_step, launch.total_iters):
-            train_one_step(launch, layout, run, loop, step)
-            loop.steps_done = step + 1
+        for step in range(run.first_step, launch.total_iters, per_capture):
+            # the guard reads each update's figures, the same on every rank: every rank stops
+            no_signal = train_one_capture(launch, layout, run, loop, step)
+            loop.steps_done = step + per_capture
             evaluate_if_due(launch, layout, run, loop)
-            # the guard reads the step's figures, the same on every rank: every rank stops
-            no_signal = loop.guard.check(step, loop.report.stats)
             loop.stopped = (exits.check(loop.steps_done) if loop.steps_done < launch.total_iters
                             else None)
             if no_signal and loop.steps_done < launch.total_iters:
@@ -288,26 +348,28 @@ def train_steps(launch: Launch, layout: Layout, run: Setup, loop: Loop, start: f
                 saved = save(launch, run, loop)
             if loop.stopped:
                 if layout.rank == 0:
-                    print(f"exiting after step {step}: {loop.stopped}; "
+                    print(f"exiting after step {loop.steps_done - 1}: {loop.stopped}; "
                           + (f"checkpoint {saved}" if saved else "no checkpoint (no --save)"),
                           flush=True)
                 break
 
 
-def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step: int) -> None:
-    """Step `step`: this replica's groups (read or synthetic, or generated online from the
-    model), schedule.train_step over them under the memory meters, then the bookkeeping: the data
-    position, the skipped step or the scheduler's step, the log line and the history."""
-    from megatron_longstraw.training.schedule import train_step   # here: tests replace it
+def train_one_capture(launch: Launch, layout: Layout, run: Setup, loop: Loop,
+                      step: int) -> str | None:
+    """Steps `step` .. `step` + K - 1 over one capture of this replica's groups (read or
+    synthetic, or generated online from the model; G x K members each): schedule.train_step
+    (K = 1) or train_on_capture under the memory meters, and after each update its bookkeeping
+    (`account_update`). -> the no-signal guard's reason to stop, or None."""
+    from megatron_longstraw.step.schedule import train_on_capture, train_step   # tests replace them
 
-    step_start = time.perf_counter()
+    capture_start = time.perf_counter()
     args, ls, model = launch.args, launch.ls, run.model
-    online = ls.rollout == "online"
+    online = ls.rollout.mode == "online"
     groups = (None if online else step_groups(args, launch.model_cfg, ls, loop.sampler, loop.data,
                                               loop.consumed, launch.reward_fn))
     bar = ProgressBar(f"step {step} capture") if layout.rank == 0 else None
-    lr = lr_schedule.current_lr(run.optimizer)
     live = LiveBytesMeter() if args.longstraw_live_bytes else contextlib.nullcontext()
+    update = _UpdateAccount(launch, layout, run, loop, step, capture_start)
     with SavedTensorMeter(model) as meter, live:
         captures = None
         if online:
@@ -316,54 +378,121 @@ def train_one_step(launch: Launch, layout: Layout, run: Setup, loop: Loop, step:
             rollouts = sampled.rollouts
             groups = [r.group for r in rollouts]
             captures = [r.captured for r in rollouts]
+            update.online(sampled, groups)
+            del rollouts
+        update.groups = groups
+        # every round consumed a global batch of prompts (dynamic sampling: 1 + extra rounds)
+        loop.consumed += layout.batch * (1 + (sampled.extra_rounds if online else 0))
         # 1/B: the update follows the mean over the step's B groups of each group's GRPO
         # loss; each replica accumulates its B / DP groups, finalize.py sums over DP.
-        result = train_step(model, run.optimizer, groups, ls, ref_model=run.ref_model,
-                            max_grad_norm=args.clip_grad, loss_scale=1.0 / layout.batch,
-                            progress=bar, captures=captures)
+        common = dict(ref_model=run.ref_model, max_grad_norm=args.clip_grad,
+                      loss_scale=1.0 / layout.batch, progress=bar, captures=captures)
+        if ls.steps_per_capture() == 1:
+            update(0, train_step(model, run.optimizer, groups, ls, **common))
+        else:
+            train_on_capture(model, run.optimizer, groups, ls, after_update=update, **common)
         del captures
-    extras, trajectories = {}, None
-    if online:
-        result.phase_seconds["rollout"] = sum(r.seconds for r in rollouts)
+    update.log(meter, live)   # the meters' figures are read once they have stopped
+    return update.no_signal
+
+
+class _UpdateAccount:
+    """The bookkeeping of a capture's updates. Between updates (`train_on_capture`'s
+    `after_update`): a NaN / inf stops the run or counts as skipped, else the scheduler steps
+    (the next update's learning rate). After the capture (`log`, once the memory meters have
+    stopped: their figures cover the capture): each update's replica mean, log line, history
+    and no-signal guard. The capture's own figures (rollout, environments, dynamic sampling) go
+    with its first update."""
+
+    def __init__(self, launch, layout, run, loop, step, start):
+        self.launch, self.layout, self.run, self.loop = launch, layout, run, loop
+        self.step, self.start = step, start
+        self.groups = None
+        self.lr = lr_schedule.current_lr(run.optimizer)
+        self.updates: list[tuple] = []   # (result, its learning rate, skipped so far, seconds)
+        self.first_extras: dict = {}
+        self.trajectories = None
+        self.rollout_seconds = None
+        self.response_len_mean = None
+        self.no_signal = None
+
+    def online(self, sampled, groups) -> None:
+        ls = self.launch.ls
+        self.rollout_seconds = sum(r.seconds for r in sampled.rollouts)
         lengths = [r.numel() for g in groups for r in g.response_ids]
-        result.stats["response_len_mean"] = sum(lengths) / len(lengths)
-        if ls.env:   # this rank's groups' trajectories: per member its turns, end and reward
-            trajectories = [r.trajectories for r in rollouts]
-            extras.update(env_summary(trajectories))
-        del rollouts
-        if ls.dynamic_sampling:   # every round consumed a global batch of prompts
-            extras.update(dynamic_sampling_counts(sampled, layout.dp_size))
-    loop.consumed += layout.batch * (1 + (sampled.extra_rounds if online else 0))
-    if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
-        nonfinite_step(args, step, result, groups, layout.dp_rank)
-        loop.skipped += 1
-    else:
-        loop.scheduler.step(1)
-    report = replica_mean(result, layout.dp_size)
-    memory = step_memory(meter.peak_bytes, result.page_bytes,
-                         {**live.phase_peaks, "step": live.peak_bytes}
-                         if args.longstraw_live_bytes else None)
-    extras = {**memory, **extras, "optimizer/lr": lr, "skipped_steps": loop.skipped,
-              "consumed_groups": loop.consumed,
-              # the whole step on this rank: groups, rollout, the step, the replica mean
-              "time/step_s": time.perf_counter() - step_start}
-    loop.logger.log(step, report, extras)
-    loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
-    if trajectories is not None:
-        loop.history[-1]["env_trajectories"] = trajectories
-    loop.result, loop.report, loop.memory, loop.groups = result, report, memory, groups
+        self.response_len_mean = sum(lengths) / len(lengths)
+        if ls.environment.env:   # this rank's groups' trajectories: per member its turns, end, reward
+            self.trajectories = [r.trajectories for r in sampled.rollouts]
+            self.first_extras.update(env_summary(self.trajectories))
+        if ls.rollout.dynamic_sampling:   # every round consumed a global batch of prompts
+            self.first_extras.update(dynamic_sampling_counts(sampled, self.layout.dp_size))
+
+    def __call__(self, k: int, result) -> None:
+        args, layout, loop = self.launch.args, self.layout, self.loop
+        if self.rollout_seconds is not None:
+            result.phase_seconds["rollout"] = self.rollout_seconds if k == 0 else 0.0
+            result.stats["response_len_mean"] = self.response_len_mean
+        if result.skipped:   # NaN / inf: no update (and no scheduler step, as in Megatron)
+            nonfinite_step(args, self.step + k, result, self.groups, layout.dp_rank)
+            loop.skipped += 1
+        else:
+            loop.scheduler.step(1)
+        now = time.perf_counter()
+        self.updates.append((result, self.lr, loop.skipped, now - self.start))
+        self.start = now
+        self.lr = lr_schedule.current_lr(self.run.optimizer)   # the next update's
+
+    def log(self, meter, live) -> None:
+        args, layout, loop = self.launch.args, self.layout, self.loop
+        memory = step_memory(meter.peak_bytes, self.updates[-1][0].page_bytes,
+                             {**live.phase_peaks, "step": live.peak_bytes}
+                             if args.longstraw_live_bytes else None)
+        for k, (result, lr, skipped, seconds) in enumerate(self.updates):
+            step = self.step + k
+            report = replica_mean(result, layout.dp_size)
+            extras = {**memory, **(self.first_extras if k == 0 else {}), "optimizer/lr": lr,
+                      "skipped_steps": skipped, "consumed_groups": loop.consumed,
+                      # the whole step on this rank: groups, rollout, the update, the replica
+                      # mean; with K updates per capture the first carries capture and rollout
+                      "time/step_s": seconds}
+            loop.logger.log(step, report, extras)
+            loop.history.append({"step": step, **loop.logger.scalars(report, extras)})
+            if self.trajectories is not None and k == 0:
+                loop.history[-1]["env_trajectories"] = self.trajectories
+            loop.result, loop.report, loop.memory, loop.groups = result, report, memory, self.groups
+            # the guard reads each update's figures, the same on every rank: every rank stops
+            self.no_signal = self.no_signal or loop.guard.check(step, report.stats)
+
+
+END_KINDS = ("done", "env error", "timeout", "budget", "stop")
+"""How a member with an environment ends (`end_kind`), in the step line's order."""
+
+
+def end_kind(end_reason: str) -> str:
+    """decode.Generation.end_reason -> one of END_KINDS: the env said done; an env error
+    (raised, died, returned something bad); a call past --longstraw-env-timeout; the budget
+    (--longstraw-env-max-turns or the tokens, an observation cut included); the policy's stop id."""
+    if end_reason == "env done":
+        return "done"
+    if end_reason.startswith("env error"):
+        return "timeout" if "did not return within" in end_reason else "env error"
+    return "stop" if end_reason == "stop id" else "budget"
 
 
 def env_summary(trajectories: list[list[dict]]) -> dict[str, float]:
     """The step's environment figures over this rank's members (online.Rollout.trajectories):
-    turns, policy and observation tokens per member, members ended by an environment error."""
+    turns, policy and observation tokens per member, members ended by an environment error
+    (timeouts included), and the members per end kind (`end_kind`; the step line's "ends")."""
     members = [m for group in trajectories for m in group]
     turns = [t for m in members for t in m["turns"]]
     count = max(len(members), 1)
+    kinds = [end_kind(m["end"]) for m in members]
     return {"env/turns_mean": len(turns) / count,
             "env/policy_tokens_mean": sum(m["trained_tokens"] for m in members) / count,
             "env/observation_tokens_mean": sum(t["observation_tokens"] for t in turns) / count,
-            "env/errors": float(sum(m["end"].startswith("env error") for m in members))}
+            "env/errors": float(sum(m["end"].startswith("env error") for m in members)),
+            **{f"env/ends_{kind.replace(' ', '_')}": float(kinds.count(kind))
+               for kind in END_KINDS}}
 
 
 def dynamic_sampling_counts(sampled, dp_size: int) -> dict[str, float]:
@@ -392,7 +521,7 @@ def evaluate_if_due(launch: Launch, layout: Layout, run: Setup, loop: Loop) -> N
             args.eval_interval and loop.steps_done % args.eval_interval == 0)):
         from megatron.core import parallel_state as ps
 
-        from megatron_longstraw.training.evaluate import evaluate
+        from megatron_longstraw.step.evaluate import evaluate
 
         loop.logger.log_eval(loop.steps_done, evaluate(
             run.model, loop.eval_data, launch.ls, layout.eval_count, layout.dp_rank,
@@ -459,7 +588,7 @@ def replica_mean(result, dp_size: int):
         return result
     from megatron.core import parallel_state as ps
 
-    from megatron_longstraw.training.schedule import merge_stats
+    from megatron_longstraw.step.schedule import merge_stats
 
     per_replica = [None] * dp_size
     dist.all_gather_object(per_replica, (result.loss, result.stats),
@@ -513,6 +642,7 @@ def write_receipt(launch: Launch, layout: Layout, run: Setup, loop: Loop, params
                "expert_parallel_size": layout.ep, "data_parallel_size": layout.dp_size,
                "global_batch_size": layout.batch},
         dtype=launch.dtype, steps=loop.steps_done, start=start)
+    receipt["settings"] = launch.ls.flat()   # the run's LongStraw settings, as YAML keys
     receipt["skipped_steps"] = loop.skipped
     if loop.stopped:
         receipt["stopped"] = loop.stopped

@@ -75,7 +75,7 @@ def run_one(args) -> dict:
     from megatron_longstraw.distributed import parallel
     from megatron_longstraw.runtime import platform, precision
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.state.attention_pass import PromptGrad
+    from megatron_longstraw.config.choices import PromptGrad
     from megatron_longstraw.data.groups import synthetic_group
     from megatron_longstraw.models.registry import get_family
     from megatron_longstraw.runtime.memory import (
@@ -84,7 +84,7 @@ def run_one(args) -> dict:
         current_rss_bytes,
         peak_rss_bytes,
     )
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     parallel.initialize(seed=args.seed)
     family = get_family(args.family)
@@ -92,14 +92,13 @@ def run_one(args) -> dict:
     platform.manual_seed(args.seed)
     precision.use_dtype(torch.float32)
     model = family.build_model(cfg, params_dtype=torch.float32)
-    ls = LongStrawConfig.from_yaml(args.config)
-    ls.group_size, ls.max_response_len = args.group_size, args.response_len
-    if args.response_block:
-        ls.response_block = args.response_block
-    ls.reuse_branch_pages = args.reuse_branch_pages
     # The blocks of the plain forward's implicit full pass (state.AttentionPass defaults), so both
     # methods hold the same indexer-score scratch.
-    ls.query_block, ls.key_block = 1024, 4096
+    ls = LongStrawConfig.from_yaml(args.config).replace(
+        group_size=args.group_size, max_response_len=args.response_len,
+        reuse_branch_pages=args.reuse_branch_pages, query_block=1024, key_block=4096,
+        **({"response_block": args.response_block} if args.response_block else {}),
+        **({"prompt_grad": PromptGrad.EXACT} if args.method == "longstraw-exact" else {}))
     group = synthetic_group(cfg.vocab_size, args.prompt_len, args.group_size, args.response_len,
                             seed=args.seed)
     # Every response R tokens long (synthetic_group varies them in [R/2, R]): the extra tokens are
@@ -109,9 +108,7 @@ def run_one(args) -> dict:
     group.response_ids = [torch.cat([r, pad(i, args.response_len - r.numel())])
                           for i, r in enumerate(group.response_ids)]
     recompute = "whole-decoder-layer checkpointing in replay (replay.py)"
-    if args.method == "longstraw-exact":
-        ls.prompt_grad = PromptGrad.EXACT
-    elif args.method == "conventional":
+    if args.method == "conventional":
         model.config.recompute_granularity = "full"
         model.config.recompute_method = "uniform"
         model.config.recompute_num_layers = 1
@@ -133,7 +130,7 @@ def run_one(args) -> dict:
             out = {"logps": [], "phase_seconds": {"forward": time.perf_counter() - start},
                    "loss": 0.0, "page_bytes": 0}
         elif args.method.startswith("longstraw"):
-            from megatron_longstraw.training import schedule
+            from megatron_longstraw.step import schedule
 
             def timed_capture(*a, _capture=schedule.capture_prompt, **k):
                 cpu = time.process_time()
@@ -164,8 +161,8 @@ def run_one(args) -> dict:
         "step_seconds": seconds, "phase_seconds": out["phase_seconds"], "loss": out["loss"],
         "cpu_seconds": cpu_seconds,
         "logps": [lp.double().tolist() for lp in out["logps"]], "grad_norm": grad_norm,
-        "capture_blocks": {"token_block": ls.token_block, "query_block": ls.query_block,
-                           "key_block": ls.key_block, "capture": ls.capture},
-        "response_block": ls.response_block,
+        "capture_blocks": {"token_block": ls.capture.token_block, "query_block": ls.capture.query_block,
+                           "key_block": ls.capture.key_block, "capture": ls.capture.mode},
+        "response_block": ls.replay.response_block,
         "param_checksum": checksum, "threads": torch.get_num_threads(),
     }

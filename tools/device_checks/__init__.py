@@ -4,7 +4,7 @@ One tool split over files, not library code: only tools/device_check.py imports 
 the tests that run its sections on CPU, through that script: tests/test_kernels.py). Its modules
 import the package and each other, never another tool; what is reusable lives in the package
 (the backend-vs-reference checks in megatron_longstraw/kernels/parity.py, the step in
-training/schedule.py, the planner). RESULTS is the one report of a device_check.py run.
+step/schedule.py, the planner). RESULTS is the one report of a device_check.py run.
 
     common.py       RESULTS (what --json writes) and the report helpers: say, run_section, check,
                     median_ms

@@ -57,7 +57,7 @@ def capacity(args, lengths: tuple[int, ...] | None = None, model_and_config=None
     lengths = lengths or ((args.start_prompt_len, 2 * args.start_prompt_len) if gpu else (257, 641))
     blocks = (dict(token_block=8192, query_block=1024, key_block=4096) if gpu else
               dict(token_block=128, query_block=32, key_block=128))
-    ls = LongStrawConfig(group_size=2, offload_pages=True, kernels=getattr(args, "kernels", "auto"),
+    ls = LongStrawConfig.of(group_size=2, offload_pages=True, kernels=getattr(args, "kernels", "auto"),
                          **blocks)
     out = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "blocks": blocks,
            "points": []}
@@ -71,7 +71,7 @@ def capacity(args, lengths: tuple[int, ...] | None = None, model_and_config=None
             captured = capture_prompt(model, ids, ls)
         spec = planner.PlanSpec(family="glm52", model=cfg, prompt_len=prompt_len, group_size=2,
                                 response_len=16, weight_bytes=b, act_bytes=b, latent_bytes=b,
-                                index_key_bytes=b, page_tokens=ls.page_tokens, **blocks)
+                                index_key_bytes=b, page_tokens=ls.capture.page_tokens, **blocks)
         plan = planner.plan(spec, search_max=False)
         capture = {name: planner.phase_bytes(items) for name, items in plan.phases.items()
                    if name.startswith("capture")}   # transient, on top of the static state

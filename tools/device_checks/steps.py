@@ -50,10 +50,10 @@ def _build_model():
 
 def model_step(args, deadline: float) -> dict:
     from megatron_longstraw.config.settings import LongStrawConfig
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     cfg, model = _build_model()
-    ls = LongStrawConfig(group_size=2, max_response_len=args.response_len, kernels=args.kernels,
+    ls = LongStrawConfig.of(group_size=2, max_response_len=args.response_len, kernels=args.kernels,
                          token_block=8192, query_block=1024, key_block=4096, offload_pages=True)
     out = {"kernels": args.kernels, "steps": []}
 
@@ -62,7 +62,7 @@ def model_step(args, deadline: float) -> dict:
         group = cuda_group(cfg, 4096, min(64, args.response_len), seed=1)
         logps = {}
         for spec in ("ref", args.kernels):
-            result = forward_backward_longstraw(model, group, LongStrawConfig(
+            result = forward_backward_longstraw(model, group, LongStrawConfig.of(
                 **{**ls.__dict__, "kernels": spec}), forward_only=True)
             logps[spec] = torch.cat(result.logps).float()
         diff = (logps["ref"] - logps[args.kernels]).abs().max().item()
@@ -167,11 +167,11 @@ def qwen36_step(args, deadline: float) -> dict:
     gc.collect()                  # the GLM-5.2 model of the previous section
     torch.cuda.empty_cache()
     cfg, model = _build_qwen36(args)
-    ls = dataclasses.replace(LongStrawConfig.from_yaml(QWEN_FULL), group_size=2,
+    ls = LongStrawConfig.from_yaml(QWEN_FULL).replace(group_size=2,
                              max_response_len=args.response_len, kernels=args.kernels,
                              offload_pages=True)
-    say(f"  blocks from full.yaml: token {ls.token_block}, query {ls.query_block}, key "
-        f"{ls.key_block}; deadline in {deadline - time.perf_counter():.0f} s")
+    say(f"  blocks from full.yaml: token {ls.capture.token_block}, query {ls.capture.query_block}, key "
+        f"{ls.capture.key_block}; deadline in {deadline - time.perf_counter():.0f} s")
     out = {"kernels": args.kernels, "steps": []}
 
     def first_step(result, group):

@@ -38,7 +38,7 @@ def prompt_sweep(model, cfg, ls, args, deadline: float, out: dict, on_first_step
     --max-prompt-len or `deadline` (time.perf_counter()) runs out; per step its peak
     torch.cuda.max_memory_allocated, phase times and page bytes go to out["steps"].
     `on_first_step(result, group)` runs after the first step (checks at the smallest length)."""
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     prompt_len = args.start_prompt_len
     while prompt_len <= args.max_prompt_len:

@@ -185,10 +185,11 @@ def glm52(spec: PlanSpec, prompt_len: int) -> Footprint:
     # Every member's DSA selections wait for replay in host memory, as int32, this rank's rows
     # of them (replay.score_member; replay gathers a block's rows from the ranks).
     branch_kinds = glm52_pages(cfg, b, b)              # the branch's own pages: the model's dtype
-    host = capture_host + [Item("scored DSA selections: G x full indexer layers x [R/CP, topk] "
-                                "int32 (this rank's rows)",
-                                spec.group_size * cfg.num_full_indexer_layers() * rows * k * 4,
-                                measured=True)]
+    # With K updates per capture, the G x K members' selections are held through its K updates.
+    host = capture_host + [Item("scored DSA selections: G x K x full indexer layers x [R/CP, "
+                                "topk] int32 (this rank's rows)",
+                                spec.group_size * spec.updates_per_capture
+                                * cfg.num_full_indexer_layers() * rows * k * 4, measured=True)]
     widened = lambda kind: kind.row_bytes * acc / b    # a cotangent row: fp32 or wider
     host += branch_host_pages(branch_kinds, blk, spec.page_tokens, widened, branch_members(spec))
     block_state = block_state_items(branch_kinds, blk, widened)

@@ -39,7 +39,7 @@ def evaluate(model, dataset, cfg, count: int, dp_rank: int, dp_size: int,
              dp_group=None) -> dict[str, float]:
     """Scores of `count` held-out groups of `dataset` (module docstring), the same on every rank.
     Collective over the model-parallel and data-parallel groups."""
-    from megatron_longstraw.training.schedule import forward_backward_longstraw
+    from megatron_longstraw.step.schedule import forward_backward_longstraw
 
     # [sum of logp, tokens, sequences, sum of k3, sum of |diff|, tokens with logprobs_old]
     sums = torch.zeros(6, dtype=torch.float64)

@@ -9,7 +9,7 @@ is one block of one branch, whatever P, R and G. When the group carries the engi
 selections or MoE routing (routing replay, routing_replay.py), scoring uses them and replay
 reuses them.
 
-Blocks. A branch longer than `LongStrawConfig.response_block` runs in blocks (`member_blocks`):
+Blocks. A branch longer than `ReplaySettings.response_block` runs in blocks (`member_blocks`):
 scoring runs them in order without autograd, each block's pass (`AttentionPass.branch`) reading
 the earlier blocks' state from host pages (`_Blocks`: their key rows, GDN's carried state) and
 handing its own to them. Replay runs the same forward, then walks the blocks in reverse: each
@@ -44,7 +44,7 @@ from megatron_longstraw.models.common import (decoder_groups, embed, head_logpro
                                                selection_kinds)
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.grpo.loss import combine_shares
-from megatron_longstraw.training import routing_replay
+from megatron_longstraw.step import routing_replay
 
 
 @dataclass
@@ -98,8 +98,8 @@ def make_branch(captured: CapturedPrompt, response_ids: torch.Tensor, start: int
 
 def member_blocks(captured: CapturedPrompt, response_ids: torch.Tensor,
                   cfg: LongStrawConfig) -> list[Branch]:
-    """The member's branch in blocks of `cfg.response_block` rows (one block when it fits)."""
-    bounds = captured.layout.branch_blocks(int(response_ids.numel()), cfg.response_block)
+    """The member's branch in blocks of `cfg.replay.response_block` rows (one block when it fits)."""
+    bounds = captured.layout.branch_blocks(int(response_ids.numel()), cfg.replay.response_block)
     if len(bounds) == 1:
         return [make_branch(captured, response_ids)]
     return [make_branch(captured, response_ids, start, end) for start, end in bounds]
@@ -115,8 +115,8 @@ def _pass(captured: CapturedPrompt, branch: Branch, cfg: LongStrawConfig,
         selections = _block_selections(selections, branch, captured.layout)
     return AttentionPass(mode=mode, positions=branch.positions, pages=captured.pages,
                          prefix_len=captured.prefix_len, selections=dict(selections or {}),
-                         reuse_selections=selections is not None, query_block=cfg.query_block,
-                         key_block=cfg.key_block, token_block=cfg.token_block, cp=cp,
+                         reuse_selections=selections is not None, query_block=cfg.capture.query_block,
+                         key_block=cfg.capture.key_block, token_block=cfg.capture.token_block, cp=cp,
                          prompt_grad=prompt_grad, branch=earlier)
 
 
@@ -151,7 +151,7 @@ def gather_selections(selections: dict[int, torch.Tensor], length: int, cfg: Lon
     rank, in row order (tests and tools; collective under CP)."""
     if layout.size == 1:
         return selections
-    order = torch.cat([CPLayout(None, layout.size, r).own_branch_rows(length, cfg.response_block)
+    order = torch.cat([CPLayout(None, layout.size, r).own_branch_rows(length, cfg.replay.response_block)
                        for r in range(layout.size)])
     out = {}
     for layer, sel in selections.items():
@@ -326,19 +326,19 @@ def score_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     when pages are offloaded: all G members' selections wait for replay, [R_pad / CP, top-k] per
     full indexer layer each; every rank selects for every row of a block, and keeps its share,
     `CPLayout.own_branch_rows`; `gather_selections` gives the whole member's). A response longer
-    than `cfg.response_block` runs block by block (`_forward_blocks`: each block over the earlier
+    than `cfg.replay.response_block` runs block by block (`_forward_blocks`: each block over the earlier
     blocks' state in host pages; the same log-probs and selections).
 
     Routing replay (routing_replay.py): `selections` (the engine's, this rank's rows as
     `routing_replay.member_inputs` gives them) are used instead of computed ones, and returned;
     `routed_experts` [R, L, k] route this rank's rows in every MoE layer.
 
-    `keep_pages` (`LongStrawConfig.reuse_branch_pages`): also return the blocks' state as replay
+    `keep_pages` (`ReplaySettings.reuse_branch_pages`): also return the blocks' state as replay
     takes it (`replay_member(..., pages=)`; None for a branch of one block): the same weights and
     selections write the same pages, so replay skips its own forward. -> (logp, selections,
     pages)"""
     blocks = member_blocks(captured, response_ids, cfg)
-    keep = "cpu" if cfg.offload_pages else None
+    keep = "cpu" if cfg.capture.offload_pages else None
     if len(blocks) == 1:
         branch = blocks[0]
         state = _pass(captured, branch, cfg, selections=selections, mode="score")
@@ -387,7 +387,7 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
     recompute routes the same way; routing_replay.py). The head also gives the policy's entropy
     at every token (`ReplayedMember.entropy`: the step's `entropy` statistic).
 
-    A branch longer than `cfg.response_block` is replayed block by block (module docstring):
+    A branch longer than `cfg.replay.response_block` is replayed block by block (module docstring):
     a forward without autograd keeps every block's state in host pages, then the blocks run in
     reverse, each under autograd over the earlier blocks' pages, backpropagating its loss and
     the cotangents the later blocks left on its own state. `pages`: that forward's state, kept
@@ -411,10 +411,10 @@ def replay_member(model, captured: CapturedPrompt, response_ids: torch.Tensor,
             view = kept.view(index)
         # Exact prompt gradient: pages as leaves, their cotangents summed over the members.
         state = _pass(captured, block, cfg, selections=selections, mode="replay",
-                      prompt_grad=cfg.prompt_grad, earlier=view)
+                      prompt_grad=cfg.replay.prompt_grad, earlier=view)
         # Backward recomputes checkpointed layers (in `state`, their argument): keep the routing.
         with routing_replay.replay_routing(model, routed_experts, block.rows, block.length):
-            hidden = _run_layers(model, captured, block, state, cfg.checkpoint_layers)
+            hidden = _run_layers(model, captured, block, state, cfg.replay.checkpoint_layers)
             logp, entropy = head_logprobs_entropy(model, hidden, block.targets, with_entropy=True)
             del hidden   # the head's chunks hold their rows; each chunk's backward frees them
             num_valid = int(block.valid.sum())

@@ -77,14 +77,14 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
     """Yield one result dict per group. `groups`: `GroupRecord`s (megatron_longstraw.data.groups) or
     `GRPOGroup`s (id: their index). `cfg`: LongStrawConfig (block sizes). `overall` accumulates
     the mismatch over all groups that carry logps_old. Under CP every rank passes the same groups
-    and gets the same results. Kernels: `cfg.kernels`'s selection, adopted here (`select.adopt`:
+    and gets the same results. Kernels: `cfg.run.kernels`'s selection, adopted here (`select.adopt`:
     selected now unless set-up already made it the active one; tools/score.py leaves it to here)."""
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.kernels import select
-    from megatron_longstraw.training import routing_replay
-    from megatron_longstraw.training.replay import score_member
+    from megatron_longstraw.step import routing_replay
+    from megatron_longstraw.step.replay import score_member
 
-    select.adopt(cfg.kernels)
+    select.adopt(cfg.run.kernels)
     for idx, item in enumerate(groups):
         group, group_id = getattr(item, "group", item), getattr(item, "id", idx)
         prompt_len = int(group.prompt_ids.numel())
@@ -92,10 +92,10 @@ def iter_scores(model, groups, cfg, threshold: float = 0.1, num_worst: int = 10,
         try:
             routing_replay.validate_group(model, group)   # the engine's routing, when given
             with torch.no_grad():
-                captured = capture_prompt(model, group.prompt_ids, cfg)
+                captured = capture_prompt(model, group.prompt_ids, cfg.capture)
                 logps = [score_member(model, captured, r, cfg, *routing_replay.member_inputs(
                              model, group, i, captured.prefix_len, captured.layout,
-                             cfg.response_block))[0]
+                             cfg.replay.response_block))[0]
                          for i, r in enumerate(group.response_ids)]
             del captured
         except ValueError as exc:
