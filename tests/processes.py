@@ -62,10 +62,12 @@ def marked_pids(value: str, prefix: bool = False) -> list[int]:
     return found
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """User + system clock ticks of a live process (None once it is gone or a zombie)."""
+def cpu_ticks(pid: int, thread: int | None = None) -> int | None:
+    """User + system clock ticks of a live process, or of one of its threads (`thread`: its
+    id; the main thread's is the pid). None once it is gone or a zombie."""
+    stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     if fields[0] == "Z":

@@ -63,11 +63,14 @@ def _launch(tmp_path: Path, phase: str) -> tuple[processes.Job, Path, Path, Path
 
 
 def _still(pid: int, seconds: float) -> bool:
-    """The process used at most 2% of a core over `seconds`: it waits (on a peer), it does not
-    compute (its parent watch wakes once a second, and CPU time is counted in whole ticks)."""
-    before = processes.cpu_ticks(pid)
+    """The process's main thread (where the launcher's Python and, with OMP_NUM_THREADS=1, its
+    compute run) used at most 2% of a core over `seconds`: it waits (on a peer), it does not
+    compute. The whole process is not still: Megatron's gloo groups run about 70
+    `gloo_tcp_loop` threads that wake on their own (together 3-4% of a core, measured), and
+    CPU time is counted in whole ticks."""
+    before = processes.cpu_ticks(pid, thread=pid)
     time.sleep(seconds)
-    after = processes.cpu_ticks(pid)
+    after = processes.cpu_ticks(pid, thread=pid)
     return None not in (before, after) and (after - before) / processes.TICK <= 0.02 * seconds
 
 
