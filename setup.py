@@ -16,7 +16,8 @@ setup(
         "flash-linear-attention",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "bitsandbytes>=0.47",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers",
+                 "bitsandbytes>=0.47",
                  "peft"],  # tests/test_peft_export.py loads --to-peft adapters; not a runtime need
         "qlora": ["bitsandbytes>=0.47"],
         "bench": ["matplotlib"],  # tools/bench.py's plots  # NF4 base weights (adapters.py, quantize_base=True)

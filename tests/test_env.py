@@ -209,6 +209,8 @@ def test_the_readme_agents_command_runs(tmp_path):
     steps = re.findall(r"^step\s+\d+ \|.*\| turns (\d\.\d)", out.stdout, flags=re.M)
     assert steps == ["3.0", "3.0"], out.stdout[-2000:]
     assert (tmp_path / "agent" / "receipt.json").is_file()
+    assert len((tmp_path / "agent" / "trajectories" / "replica0.jsonl").read_text()
+               .splitlines()) == 2    # the README's trajectories file: a group per step
 
 
 def test_an_environment_that_raises_ends_its_members_not_the_run(tmp_path, monkeypatch):

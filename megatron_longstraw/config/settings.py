@@ -239,6 +239,16 @@ class RolloutSettings(Section):
 
     A step generates at most (1 + rounds) x --global-batch-size groups; the remaining slots are
     counted as short."""
+    trajectories: str = setting("auto", choices=("auto", "on", "off"))
+    """Online: write every group trained on to <out-dir>/<run-name>/trajectories/ (auto, the
+    default: with --longstraw-env; on: also without one; off: never), one JSONL line per group
+    in the offline data format that tools/score.py and the offline trainer read: its members'
+    tokens, loss masks, rewards and sampling log-probs, and under 'trajectory' each member's
+    turns, end reason and where its reward came from (training/trajectories.py)."""
+    trajectories_max_mb: float = setting(1024.0, low=0, metavar="MB")
+    """The trajectories' files stop growing past MB (default 1024): the first step that would
+    pass it and every later one are not written, and the log and the receipt say from which
+    step on."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -43,7 +43,10 @@ from megatron_longstraw.runtime.errors import InputNotFound, UserError
 PROMPT_FIELDS = ("prompt", "prompt_ids", "prompt_file", "prompt_messages")
 RESPONSE_FIELDS = ("responses", "response_ids", "response_segments", "messages")
 KNOWN_FIELDS = (set(PROMPT_FIELDS + RESPONSE_FIELDS)
-                | {"rewards", "logprobs_old", "loss_masks", "id", "meta"} | set(ROUTING_FIELDS))
+                | {"rewards", "logprobs_old", "loss_masks", "id", "meta", "trajectory"}
+                | set(ROUTING_FIELDS))
+"""`trajectory`: the online loop's record of how the group was generated (training/
+trajectories.py); read back with the line, not used by training."""
 MAX_TOKEN_ID = 2**31 - 1
 LOGPROB_SLACK = 1e-4
 """Largest positive value accepted as a log-probability (engines round; a log-prob is <= 0)."""

@@ -64,6 +64,8 @@ class Rollout:
     """With an environment, per member: {"turns": [{"policy_tokens", "observation_tokens",
     "reward"}, ..], "end": why it ended, "reward": the member's reward and where it came from
     ("env" or "reward function"; "none": 0, neither gave one)}."""
+    meta: object = None
+    """The prompt line's `meta` (what the environment and the reward function read)."""
 
 
 def sampling_params(cfg: LongStrawConfig, seed: int) -> SamplingParams:
@@ -107,7 +109,7 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
                       logps_old=[g.sample_logprobs for g in generations],
                       loss_masks=[g.loss_mask for g in generations] if envs else None)
     group.source = source
-    return Rollout(group, captured, time.perf_counter() - start, trajectories)
+    return Rollout(group, captured, time.perf_counter() - start, trajectories, record.meta)
 
 
 def env_limits(environment: EnvironmentSettings) -> EnvLimits:

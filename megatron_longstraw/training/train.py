@@ -66,7 +66,7 @@ from megatron_longstraw.rollout.env import load_env_factory
 from megatron_longstraw.checkpointing import save_lock
 from megatron_longstraw.runtime import errors, parent_watch
 from megatron_longstraw.runtime.memory import LiveBytesMeter, SavedTensorMeter
-from megatron_longstraw.training import lr_schedule
+from megatron_longstraw.training import lr_schedule, trajectories
 from megatron_longstraw.training.arguments import LoRASettings
 from megatron_longstraw.training.command_line import check_outputs, parse, resolve, resolve_lora
 from megatron_longstraw.training.exit_conditions import ExitConditions
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
             loop = start_loop(launch, layout, run, data, eval_data)
             train_steps(launch, layout, run, loop, start)
             loop.logger.close()
+            if loop.trajectories is not None:
+                loop.trajectories.close()
             save_merged(launch, layout, run, loop)
             return write_receipt(launch, layout, run, loop, params, start)
     finally:   # --longstraw-env: no environment worker outlives the run (hung ones were killed)
@@ -294,6 +296,8 @@ class Loop:
     report: Any = None
     memory: dict | None = None
     groups: list | None = None
+    trajectories: Any = None
+    """Online: this replica's TrajectoryWriter (trajectories.py) on its first CP rank, else None."""
 
 
 def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> Loop:
@@ -319,7 +323,21 @@ def start_loop(launch: Launch, layout: Layout, run: Setup, data, eval_data) -> L
     guard = SignalGuard(launch.ls.guards.entropy_floor, launch.ls.guards.stop_after_no_signal,
                         enabled=layout.rank == 0)
     return Loop(data, eval_data, sampler, consumed, scheduler, logger, skipped,
-                steps_done=run.first_step, guard=guard)
+                steps_done=run.first_step, guard=guard,
+                trajectories=trajectory_writer(launch, layout, run.first_step))
+
+
+def trajectory_writer(launch: Launch, layout: Layout, first_step: int):
+    """--longstraw-trajectories: this replica's writer on its first context-parallel rank (the
+    replica's ranks generate the same groups); None elsewhere and when off (trajectories.py)."""
+    from megatron.core import parallel_state as ps
+
+    if not trajectories.wanted(launch.ls) or ps.get_context_parallel_rank() != 0:
+        return None
+    args = launch.args
+    folder = Path(args.longstraw_out_dir) / args.longstraw_run_name / trajectories.FOLDER
+    return trajectories.TrajectoryWriter(folder, layout.dp_rank, first_step,
+                                         launch.ls.rollout.trajectories_max_mb * 2**20)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -379,6 +397,8 @@ def train_one_capture(launch: Launch, layout: Layout, run: Setup, loop: Loop,
             groups = [r.group for r in rollouts]
             captures = [r.captured for r in rollouts]
             update.online(sampled, groups)
+            if loop.trajectories is not None:
+                loop.trajectories.write(step, ls.steps_per_capture(), rollouts)
             del rollouts
         update.groups = groups
         # every round consumed a global batch of prompts (dynamic sampling: 1 + extra rounds)
@@ -647,6 +667,8 @@ def write_receipt(launch: Launch, layout: Layout, run: Setup, loop: Loop, params
     if loop.stopped:
         receipt["stopped"] = loop.stopped
     receipt["history"] = loop.history
+    if loop.trajectories is not None:   # rank 0: replica 0's file (the others beside it)
+        receipt["trajectories"] = loop.trajectories.summary()
     if layout.rank != 0:
         return receipt
     folder = Path(args.longstraw_out_dir) / args.longstraw_run_name
