@@ -31,3 +31,45 @@ def sigmoid_router(self, hidden_states):  # the TopkRouter forward without the f
     if self.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+TIES_TO_LOWER = True
+"""dsa_indexer's tie rule; False: torch.topk's own order (a test shows the ties matter)."""
+
+
+def dsa_indexer(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                position_ids=None, cache=None):
+    """GlmMoeDsaIndexer.forward without its float32 casts of q, k and the head weights, and with
+    ties broken toward the lower key position, as ours (`kernels/refs.py` `indexer_topk`):
+    torch.topk leaves the order among equal scores unspecified, and with ReLU scores exact ties
+    are common: a key whose every head scores below zero scores exactly 0 (probability 2^-heads
+    per key; the tiny configs with 4 index heads tie in most rows of a 40-token sequence, and one
+    tied key chosen differently gave 3e-3 relative log-prob differences). Same formula (ReLU
+    scores, interleaved RoPE, weighted head sum, causal mask, top-k)."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+        apply_rotary_pos_emb_interleave,
+    )
+
+    batch, seq, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
+    rope, rest = self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim
+    q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    if cache is not None:
+        k = cache.update_indexer(k, self.layer_idx)
+    scores = torch.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
+    weights = self.weights_proj(hidden_states) * (self.n_heads ** -0.5)
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    if attention_mask.dtype == torch.bool:
+        index = index.masked_fill(~attention_mask, float("-inf"))
+    else:
+        index = index + attention_mask
+    k = min(self.index_topk, index.shape[-1])
+    if not TIES_TO_LOWER:
+        return index.topk(k, dim=-1).indices.to(torch.int32)
+    order = torch.sort(index, dim=-1, descending=True, stable=True).indices
+    return order[..., :k].to(torch.int32)

@@ -79,9 +79,10 @@ def _upcast_reference(hf_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
     """transformers computes RMSNorm, the RoPE angles, the eager softmax and the MoE router in
     float32 even for a float64 model (~6e-8 differences). Run the first three in float64, and the
     router at our router's precision (`router_fp64`: Megatron's `moe_router_dtype="fp64"` routing;
-    otherwise both routers are float32 with identical inputs), so that the comparison checks the
-    weight mapping at float64 precision; the formulas are unchanged. (The indexer's float32 scores
-    only choose keys; the selections are compared separately.)"""
+    otherwise both routers are float32 with identical inputs), and the DSA indexer's scores in
+    float64 with ties broken toward the lower key position as ours (`hf_fp64.dsa_indexer`), so
+    that the comparison checks the weight mapping at float64 precision; the formulas are
+    unchanged."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_mod
 
     def rms_norm(self, x):
@@ -101,6 +102,8 @@ def _upcast_reference(hf_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
             module.forward = types.MethodType(rms_norm, module)
         if router_fp64 and isinstance(module, hf_mod.GlmMoeDsaTopkRouter):
             module.forward = types.MethodType(router, module)
+        if isinstance(module, hf_mod.GlmMoeDsaIndexer):
+            module.forward = types.MethodType(hf_fp64.dsa_indexer, module)
     rotary_emb = hf_model.model.rotary_emb
     rotary_emb.forward = types.MethodType(rotary, rotary_emb)
     monkeypatch.setattr(hf_mod, "eager_attention_forward", eager_attention)
@@ -181,6 +184,18 @@ def test_logits_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not result["mismatched"], f"DSA selections differ (layer: rows): {result['mismatched']}"
     assert all(n > 0 for n in result["rerouted"].values()), result["rerouted"]
     assert result["diff"] <= TOL, result["diff"]
+
+
+def test_zero_score_ties_break_toward_the_lower_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 4 index heads (examples/glm52/tiny.yaml) a key whose every head scores below zero
+    scores exactly 0 after the ReLU, and such ties fall at the top-k boundary in several rows:
+    ours keeps the lower key position (kernels/refs.py), as the reference does here; under
+    torch.topk's own (unspecified) order among ties the selections differ, so the ties are real."""
+    cfg = GLM52Config(**{**TINY, "index_n_heads": 4})
+    result = _compare(cfg, monkeypatch)
+    assert not result["mismatched"] and result["diff"] <= TOL, result
+    monkeypatch.setattr(hf_fp64, "TIES_TO_LOWER", False)
+    assert _compare(cfg, monkeypatch)["mismatched"]
 
 
 def test_latent_norm_eps_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
