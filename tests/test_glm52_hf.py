@@ -34,11 +34,12 @@ F64 = torch.float64
 TOL = 1e-9
 SEQ = 96  # > index_topk: DSA selects 16 of up to 96 keys
 
-# Tiny GLM-5.2. index_n_heads=16 (not 4): the indexer score is sum_h w_h * relu(q_h . k), which is
-# exactly 0 when every head's q.k < 0 (probability 2^-heads per pair). With 4 heads such exact ties
-# are frequent at the top-k boundary, and transformers' `topk` and our stable sort break them
-# differently (a legitimate, unspecified choice that changes the output by ~1e-2). With 16 heads
-# exact ties are ~1e-5 per pair and absent for this seed (asserted below via the selections).
+# Tiny GLM-5.2. The indexer score is sum_h w_h * relu(q_h . k), exactly 0 when every head's q.k < 0
+# (probability 2^-heads per pair). With 4 heads (examples/glm52/tiny.yaml) such exact ties are
+# frequent at the top-k boundary, and transformers' `topk` and our stable order break them
+# differently (a legitimate, unspecified choice that changes the output by ~1e-2): the reference
+# indexer (hf_fp64.dsa_indexer) breaks them as ours, test_zero_score_ties_break_toward_the_lower_key.
+# index_n_heads=16 here: exact ties ~1e-5 per pair, absent for this seed.
 # rms_norm_eps=1e-6: transformers hard-codes eps 1e-6 for q_a_layernorm / kv_a_layernorm, while
 # Megatron's MLA builds q_layernorm / kv_layernorm with `layernorm_epsilon` (= rms_norm_eps); they
 # agree only when rms_norm_eps == 1e-6 (see test_latent_norm_eps_matches_transformers).
