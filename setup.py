@@ -16,7 +16,7 @@ setup(
         "flash-linear-attention",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers",
+        "test": ["pytest", "pytest-timeout", "transformers",
                  "bitsandbytes>=0.47",
                  "peft"],  # tests/test_peft_export.py loads --to-peft adapters; not a runtime need
         "qlora": ["bitsandbytes>=0.47"],

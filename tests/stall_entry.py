@@ -17,7 +17,12 @@ PHASE, RANK = os.environ.get("STALL_PHASE", ""), os.environ["RANK"]
 
 
 def mark(point: str) -> None:
-    Path(os.environ["STALL_DIR"], f"{point}-{RANK}").write_text(str(os.getpid()))
+    """The mark file `<point>-<rank>` holding this pid, made whole in one rename (the test polls
+    for the name and reads the pid at once: a plain write_text showed it empty once)."""
+    final = Path(os.environ["STALL_DIR"], f"{point}-{RANK}")
+    partial = final.with_name(f".{final.name}.partial")
+    partial.write_text(str(os.getpid()))
+    partial.rename(final)
 
 
 def hold() -> None:
