@@ -231,6 +231,41 @@ def test_chat_templates_that_cannot_give_masks_are_refused(tmp_path):
         assert fragment in str(info.value), info.value
 
 
+# Keeps an assistant message's "reasoning" only on the conversation's last assistant message, as
+# templates that strip earlier reasoning do (verl #6854, NeMo-RL #2821): prefix-preserving for the
+# prompt, not for a later turn.
+DROPS_REASONING = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}"
+    "{% if loop.index0 == ns.last and m.get('reasoning') %}{{ m['reasoning'] }} {% endif %}"
+    "{{ m['content'] }} <|end|>{% endgeneration %} "
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def test_a_template_that_re_renders_an_earlier_turn_is_refused_at_that_turn(tmp_path):
+    """The engine sampled turn 2 after turn 1 rendered with its reasoning; rendered whole, turn 1
+    loses it. Refused, naming the member, the message, the template and the first differing
+    token; the same conversation without reasoning (nothing re-rendered) is read."""
+    tokenizer = make_chat_tokenizer(tmp_path / "drops", template=DROPS_REASONING)
+    reasoning = [{**MESSAGES[0], "reasoning": "the cat"}, *MESSAGES[1:]]
+    line = {"prompt_messages": CHAT_PROMPT, "messages": [MESSAGES, reasoning], "rewards": [1, 0]}
+    path = write_lines(tmp_path / "g.jsonl", [line])
+    with pytest.raises(DataError) as info:
+        list(read_groups(path, tokenizer=tokenizer))
+    message = str(info.value)
+    # prompt "<|user|> the cat sat <|end|> <|assistant|>" is 6 ids; turn 1's reasoning at 6.
+    assert message.startswith(f"{path} line 1: field 'messages' item 1 message 2 (assistant) "
+                              "does not continue the turns before it"), message
+    assert ("at position 6: id 4 ('on') where it has id 1 ('the'); the chat template of "
+            f"{str(tmp_path / 'drops')!r} re-renders earlier turns") in message, message
+    assert "'response_ids' with 'loss_masks'" in message
+    group = next(iter(read_groups(write_lines(tmp_path / "ok.jsonl", [
+        {**line, "messages": [MESSAGES, MESSAGES]}]), tokenizer=tokenizer)))
+    assert len(group.response_ids) == 2
+
+
 def test_the_example_trajectory_three_ways():
     """examples/data/agent.jsonl: one two-turn trajectory (a tool answers the policy's lookup)
     as response_ids + loss_masks, as response_segments and as chat messages rendered with

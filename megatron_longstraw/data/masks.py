@@ -137,12 +137,38 @@ def render_prompt(tokenizer, messages) -> list[int]:
                                             return_dict=True))
 
 
+def _template_name(tokenizer, backend) -> str:
+    path = getattr(tokenizer, "path", None) or getattr(backend, "name_or_path", None)
+    return f"the chat template of {str(path)!r}" if path else "the tokenizer's chat template"
+
+
+def _first_difference(backend, ids: list[int], prefix: list[int]) -> str | None:
+    """None when `prefix` is a prefix of `ids`; else where they part: 'position N: id A ('tok')
+    where the prefix has id B ('tok')' (or the end of the rendering)."""
+    if ids[:len(prefix)] == list(prefix):
+        return None
+    at = next((t for t, (a, b) in enumerate(zip(ids, prefix)) if a != b), len(ids))
+
+    def token(i: int) -> str:
+        return f"id {i} ({backend.convert_ids_to_tokens(i)!r})"
+    got = token(ids[at]) if at < len(ids) else "the end of the rendering"
+    return f"position {at}: {got} where it has {token(prefix[at])}"
+
+
 def render_member(tokenizer, prompt_messages, messages, member: int,
                   prompt_ids: list[int]) -> tuple[list[int], torch.Tensor]:
     """One member's `messages` -> (response ids, bool mask [R]): prompt_messages + messages
     rendered and tokenised once (no turn re-tokenised on its own); the response is what follows
     the prompt's ids; trained are the tokens of the template's {% generation %} blocks
-    (transformers' `return_assistant_tokens_mask`)."""
+    (transformers' `return_assistant_tokens_mask`).
+
+    The rendering must be prefix-preserving: it starts with the prompt's ids, and before each
+    later assistant message with the rendering of the conversation up to it plus the generation
+    prompt (what an engine fed the policy before that turn). A template that renders earlier
+    turns differently once later ones follow (one that drops earlier reasoning) would train the
+    policy on a context it never sampled in: ValueError naming the template, the message and the
+    first differing token. (The check renders the conversation once per assistant turn: with
+    long prompts prefer ids.)"""
     where = f"item {member} "
     _check_messages(messages, where)
     backend = chat_backend(tokenizer)
@@ -155,16 +181,32 @@ def render_member(tokenizer, prompt_messages, messages, member: int,
     rendered = backend.apply_chat_template(list(prompt_messages) + list(messages), tokenize=True,
                                            return_dict=True, return_assistant_tokens_mask=True)
     ids, trained = _ids(rendered), list(rendered["assistant_masks"])
-    num_prompt = len(prompt_ids)
-    if ids[:num_prompt] != list(prompt_ids):
-        at = next((t for t, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b),
-                  min(len(ids), num_prompt))
+    template = _template_name(tokenizer, backend)
+    ids_instead = ("Give the engine's ids instead ('response_segments' or 'response_ids' with "
+                   "'loss_masks': the token-in/token-out path, nothing re-rendered).")
+    differs = _first_difference(backend, ids, prompt_ids)
+    if differs:
         raise ValueError(f"{where}does not continue the prompt: rendered after "
                          "'prompt_messages' its ids differ from the prompt's (rendered alone, "
-                         f"with the generation prompt) at position {at}; the chat template "
-                         "renders the prompt differently once later turns follow (e.g. it drops "
-                         "earlier reasoning). Give the engine's ids instead "
-                         "('response_segments' or 'response_ids' with 'loss_masks').")
+                         f"with the generation prompt) at {differs}; {template} renders the "
+                         "prompt differently once later turns follow (e.g. it drops earlier "
+                         f"reasoning). {ids_instead}")
+    for j, message in enumerate(messages):
+        if j == 0 or message["role"] != "assistant":
+            continue
+        before = _ids(backend.apply_chat_template(
+            list(prompt_messages) + list(messages[:j]), add_generation_prompt=True,
+            tokenize=True, return_dict=True))
+        differs = _first_difference(backend, ids, before)
+        if differs:
+            raise ValueError(
+                f"{where}message {j} (assistant) does not continue the turns before it: the "
+                f"whole conversation's rendering differs from messages 0..{j - 1} rendered with "
+                f"the generation prompt (what the engine fed the policy before this turn) at "
+                f"{differs}; {template} re-renders earlier turns once later ones follow (e.g. "
+                "it drops earlier reasoning), so the trained context would not be the one the "
+                f"policy sampled in. {ids_instead}")
+    num_prompt = len(prompt_ids)
     if any(trained[:num_prompt]):
         raise ValueError(f"{where}trains prompt tokens: the chat template puts part of the "
                          "prompt inside {% generation %}; only member messages may be trained.")
