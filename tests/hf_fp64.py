@@ -33,8 +33,9 @@ def sigmoid_router(self, hidden_states):  # the TopkRouter forward without the f
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
-TIES_TO_LOWER = True
-"""dsa_indexer's tie rule; False: torch.topk's own order (a test shows the ties matter)."""
+boundary_ties: list[int] = []
+"""Per dsa_indexer call, the rows whose k-th and (k+1)-th best scores are equal (both visible): the
+ties whose breaking decides the selection (a test clears and reads it)."""
 
 
 def dsa_indexer(self, hidden_states, q_resid, position_embeddings, attention_mask,
@@ -69,7 +70,9 @@ def dsa_indexer(self, hidden_states, q_resid, position_embeddings, attention_mas
     else:
         index = index + attention_mask
     k = min(self.index_topk, index.shape[-1])
-    if not TIES_TO_LOWER:
-        return index.topk(k, dim=-1).indices.to(torch.int32)
-    order = torch.sort(index, dim=-1, descending=True, stable=True).indices
+    ranked, order = torch.sort(index, dim=-1, descending=True, stable=True)
+    if k < index.shape[-1]:
+        kth, next_best = ranked[..., k - 1], ranked[..., k]
+        visible = next_best > torch.finfo(index.dtype).min / 2   # the mask adds -inf or finfo.min
+        boundary_ties.append(int(((kth == next_best) & visible).sum()))
     return order[..., :k].to(torch.int32)
