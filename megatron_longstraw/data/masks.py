@@ -184,20 +184,21 @@ def render_member(tokenizer, prompt_messages, messages, member: int,
     template = _template_name(tokenizer, backend)
     ids_instead = ("Give the engine's ids instead ('response_segments' or 'response_ids' with "
                    "'loss_masks': the token-in/token-out path, nothing re-rendered).")
-    differs = _first_difference(backend, ids, prompt_ids)
-    if differs:
-        raise ValueError(f"{where}does not continue the prompt: rendered after "
-                         "'prompt_messages' its ids differ from the prompt's (rendered alone, "
-                         f"with the generation prompt) at {differs}; {template} renders the "
-                         "prompt differently once later turns follow (e.g. it drops earlier "
-                         f"reasoning). {ids_instead}")
+    # What the engine fed the policy before each of its turns: the prompt (rendered alone, with
+    # the generation prompt), then before each later assistant message the turns up to it.
     for j, message in enumerate(messages):
-        if j == 0 or message["role"] != "assistant":
+        if j and message["role"] != "assistant":
             continue
-        before = _ids(backend.apply_chat_template(
+        before = prompt_ids if j == 0 else _ids(backend.apply_chat_template(
             list(prompt_messages) + list(messages[:j]), add_generation_prompt=True,
             tokenize=True, return_dict=True))
         differs = _first_difference(backend, ids, before)
+        if differs and j == 0:
+            raise ValueError(f"{where}does not continue the prompt: rendered after "
+                             "'prompt_messages' its ids differ from the prompt's (rendered "
+                             f"alone, with the generation prompt) at {differs}; {template} "
+                             "renders the prompt differently once later turns follow (e.g. it "
+                             f"drops earlier reasoning). {ids_instead}")
         if differs:
             raise ValueError(
                 f"{where}message {j} (assistant) does not continue the turns before it: the "
