@@ -108,6 +108,7 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench.py --sweep --cap-gib 2.5 --timing-repeats 3
 	$(PY) tools/bench.py --response-sweep --cap-gib 1.25 --timing-repeats 3
 	$(PY) tools/bench.py --reuse-sweep
+	OMP_NUM_THREADS=2 $(PY) tools/bench_prefill.py --out-dir runs/bench
 
 # Detached vs exact prompt gradient (tiny GLM-5.2, one process): JSON, table, TensorBoard and a
 # PNG in runs/gradient-bias/.

@@ -289,16 +289,17 @@ def capture_reuse_worker(rank, cases, lens, rewards, updates, settings, drift_ev
 def decode_worker(rank, cases, envs=False):
     """Generation from a capture on CP (x EP) ranks (`cases`: (family, cp, ep, weights path,
     prompt length)): every case's (token ids, log-probs) per member, for the test to compare
-    with one process. `envs`: 2 members with the example lookup environment (turns of 3 tokens,
-    3 calls), each member's (token ids, log-probs, loss mask, this rank's environment calls)."""
+    with one process. `envs`: 2 members with `helpers.LongObservations` environments
+    (observations of 30 and 17 ids fed in blocks of 16 rows, turns of 3 tokens, 3 calls), each
+    member's (token ids, log-probs, loss mask, this rank's environment calls)."""
+    from helpers import LongObservations
     from megatron_longstraw.context.capture import capture_prompt
     from megatron_longstraw.config.settings import LongStrawConfig
     from megatron_longstraw.rollout.decode import generate
     from megatron_longstraw.rollout.env import EnvLimits
-    from megatron_longstraw.rollout.example_env import LookupEnv
     from megatron_longstraw.config.sampling import SamplingParams
 
-    members, new_tokens = (2, 18) if envs else (3, 6)
+    members, new_tokens = (2, 72) if envs else (3, 6)
     outs = []
     for family, cp, ep, state_path, prompt_len in cases:
         cfg, model, experts = _case_model(family, cp, ep, state_path)
@@ -312,11 +313,11 @@ def decode_worker(rank, cases, envs=False):
             outs.append([(g.token_ids, g.logprobs)
                          for g in generate(model, captured, members, params, ls)])
             continue
-        lookups = [LookupEnv(prompt) for _ in range(members)]
-        gens = generate(model, captured, members, params, ls, envs=lookups,
-                        env_limits=EnvLimits(max_turns=3, turn_tokens=3))
+        tools = [LongObservations(30 - 13 * m, cfg.vocab_size, salt=m) for m in range(members)]
+        gens = generate(model, captured, members, params, ls, envs=tools,
+                        env_limits=EnvLimits(max_turns=3, turn_tokens=3, prefill_block=16))
         outs.append([(g.token_ids, g.logprobs, g.loss_mask, env.calls)
-                     for g, env in zip(gens, lookups)])
+                     for g, env in zip(gens, tools)])
     return outs
 
 

@@ -80,3 +80,21 @@ def scoring_vs_full_sequence(model, group, captured, ls) -> tuple[float, list[di
             worst = max(worst, (logp - ref).abs().max().item())
             selections.append(used)
     return worst, selections
+
+
+class LongObservations:
+    """A test environment whose every call returns `length` ids (a different run of them per
+    call and per member, from the turn's tokens), never done: observations long enough to cross
+    DSA key windows and selections and GDN chunks when fed in blocks (rollout/decode.py)."""
+
+    stop_ids = ()
+
+    def __init__(self, length: int, vocab_size: int, salt: int = 0):
+        self.length, self.vocab_size, self.salt, self.calls = length, vocab_size, salt, 0
+
+    def step(self, turn_ids):
+        from megatron_longstraw.rollout.env import EnvStep
+
+        self.calls += 1
+        start = sum(turn_ids) + 7 * self.salt + 13 * self.calls
+        return EnvStep(observation=[(start + 5 * i) % self.vocab_size for i in range(self.length)])

@@ -1,5 +1,5 @@
 """tools/bench.py end to end at one tiny point (fresh child processes, table, JSON, PNG), and the
-sweep itself when LONGSTRAW_SLOW=1."""
+sweep itself when LONGSTRAW_SLOW=1; tools/bench_prefill.py at one tiny point."""
 
 import json
 import os
@@ -439,3 +439,18 @@ def test_summarise_reuse_by_hand():
         summarise_reuse({4: [update(1.0)] * 4})
     with pytest.raises(ValueError, match="K = 4: the run logged 3 updates, not 4"):
         summarise_reuse({1: [update(1.0)], 4: [update(1.0)] * 3})
+
+
+def test_bench_prefill_times_both_feeds_of_one_observation(tmp_path):
+    """tools/bench_prefill.py at a tiny point: one observation fed one row per pass and as one
+    block, the same trajectory both ways, the passes counted (1 + 40 + 1 against 3)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill.py"),
+                           "--families", "qwen36", "--observation", "40", "--prompt", "32",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row, = json.loads((tmp_path / "prefill.json").read_text())
+    assert row["observation"] == 40 and row["members"] == 2
+    assert (row["token_passes"], row["block_passes"]) == (42, 3)
+    assert row["max_abs_dlogp"] <= 1e-5 and row["token_s"] > 0 and row["block_s"] > 0
+    assert "| qwen36 | 32 | 40 | 2 |" in (tmp_path / "prefill.md").read_text()

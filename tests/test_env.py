@@ -1,8 +1,10 @@
 """Multi-turn generation with an environment (rollout/env.py, decode.generate with `envs`): the
 observations are prefilled into each member's branch state from the captured prompt, so the
 log-probs of the whole trajectory equal one plain forward over [prompt; every turn] (fp64,
-<= 1e-9, three families; across a DSA selection window and a GDN chunk boundary); observation
-tokens carry loss mask 0; an environment that raises, hangs, returns bad ids, or exceeds the turn
+<= 1e-9, three families; across a DSA selection window and a GDN chunk boundary), and
+observations fed in blocks of rows per pass give the token-by-token feed's trajectory (fp64,
+<= 1e-12; CP2 and CP2/EP2 ranks against one process <= 1e-9); observation tokens carry loss
+mask 0; an environment that raises, hangs, returns bad ids, or exceeds the turn
 budget ends its member with a record, and the others go on."""
 
 import time
@@ -10,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import full_sequence_logprobs
+from helpers import LongObservations, full_sequence_logprobs
 from test_decode import _build, _cfg as _ls
 from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.context.capture import capture_prompt
@@ -49,6 +51,43 @@ def test_prefilled_observations_equal_a_full_forward_over_every_turn(family, pro
     print(f"{family} P={prompt_len}: trajectory of {outs[0].token_ids.numel()} tokens, "
           f"{len(outs[0].turns)} turns, decode vs full forward max |d logp| {worst:.1e}")
     assert worst <= 1e-9
+
+
+# Observations of 70 and 41 ids, in blocks of 32 (and whole, and 1: the token-by-token path):
+# GLM-5.2's blocks cross key windows (23) and query blocks (7) and select among the member's own
+# rows (top-k 16); Qwen3.6's GDN runs the chunked rule over a block and a trajectory crosses its
+# 64-token chunk. The two members' segments differ in length within one pass.
+@pytest.mark.parametrize("family,prompt_len", [("glm52", 40), ("qwen36", 50),
+                                               ("deepseekv3", 30)])
+def test_block_prefill_equals_the_token_by_token_path(family, prompt_len):
+    cfg, model = _build(family)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(4))
+    ls = _ls(2)
+    captured = capture_prompt(model, prompt, ls)
+    runs = {}
+    for block in (1, 32, 2048):
+        envs = [LongObservations(70 - 29 * m, cfg.vocab_size, salt=m) for m in range(2)]
+        runs[block] = generate(model, captured, 2, SamplingParams(max_new_tokens=160, seed=7), ls,
+                               envs=envs, env_limits=EnvLimits(max_turns=3, turn_tokens=3,
+                                                               prefill_block=block))
+    worst = 0.0
+    for block in (32, 2048):
+        for by_token, by_block in zip(runs[1], runs[block]):
+            assert torch.equal(by_block.token_ids, by_token.token_ids)
+            assert torch.equal(by_block.loss_mask, by_token.loss_mask)
+            assert by_block.turns == by_token.turns and by_block.end_reason == by_token.end_reason
+            worst = max(worst, float((by_block.logprobs - by_token.logprobs).abs().max()),
+                        float((by_block.sample_logprobs - by_token.sample_logprobs).abs().max()))
+    first = runs[1][0]
+    assert len(first.turns) == 3 and int((~first.loss_mask).sum()) == 140
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, runs[2048][0].token_ids)
+    print(f"{family}: {first.token_ids.numel()} tokens, blocks of 32 and 2048 vs one row per "
+          f"step max |d logp| {worst:.1e}; vs a full forward "
+          f"{float((ref.double() - runs[2048][0].logprobs).abs().max()):.1e}")
+    assert worst <= 1e-12
+    assert float((ref.double() - runs[2048][0].logprobs).abs().max()) <= 1e-9
 
 
 class _Env:
@@ -242,7 +281,8 @@ def test_an_environment_that_raises_ends_its_members_not_the_run(tmp_path, monke
 def test_environments_under_cp_are_called_once_and_feed_every_rank(tmp_path):
     """Real gloo ranks (GLM-5.2 CP2/EP2, Qwen3.6 CP2): CP rank 0 calls each member's environment
     and broadcasts the observation, so the tool runs once per call and every rank's trajectory
-    (tokens, masks, log-probs <= 1e-9) equals one process's."""
+    (tokens, masks, log-probs <= 1e-9) equals one process's; the ranks feed the observations
+    (30 and 17 ids) in blocks of 16 rows, the one process token by token."""
     import dist_workers
     from distributed import run_ranks
 
@@ -256,9 +296,11 @@ def test_environments_under_cp_are_called_once_and_feed_every_rank(tmp_path):
                                generator=torch.Generator().manual_seed(4))
         ls = _ls(2)
         captured = capture_prompt(model, prompt, ls)
-        references.append(generate(model, captured, 2, SamplingParams(max_new_tokens=18, seed=7),
-                                   ls, envs=[LookupEnv(prompt) for _ in range(2)],
-                                   env_limits=EnvLimits(max_turns=3, turn_tokens=3)))
+        tools = [LongObservations(30 - 13 * m, cfg.vocab_size, salt=m) for m in range(2)]
+        references.append(generate(model, captured, 2, SamplingParams(max_new_tokens=72, seed=7),
+                                   ls, envs=tools,
+                                   env_limits=EnvLimits(max_turns=3, turn_tokens=3,
+                                                        prefill_block=1)))
         jobs.append((family, cp, ep, str(path), prompt_len))
     outs = run_ranks(dist_workers.decode_worker, 2, cases=jobs, envs=True)
     for case, (family, cp, ep, _) in enumerate(cases):
@@ -269,5 +311,7 @@ def test_environments_under_cp_are_called_once_and_feed_every_rank(tmp_path):
                 assert calls == (len(ref.turns) if rank == 0 else 0)
                 worst = max(worst, float((logps - ref.logprobs).abs().max()))
         assert len(references[case][0].turns) == 3
-        print(f"{family} CP{cp}/EP{ep}: env trajectory vs one process max |d logp| {worst:.1e}")
+        assert int((~references[case][0].loss_mask).sum()) == 60
+        print(f"{family} CP{cp}/EP{ep}: env trajectory in blocks of 16 vs one process token by "
+              f"token max |d logp| {worst:.1e}")
         assert worst <= 1e-9

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEW_SECTIONS = ("reuse",)
 """Sections added after 76ddc8e: their settings are new flags and keys, at their defaults in every
 YAML of before."""
-NEW_SETTINGS = ("env_max_concurrency", "trajectories", "trajectories_max_mb")
+NEW_SETTINGS = ("env_max_concurrency", "env_prefill_block", "trajectories", "trajectories_max_mb")
 """Settings added after 76ddc8e to a section of before (issue 43: environments, trajectories),
 likewise."""
 BEFORE = json.loads((ROOT / "tests" / "settings_before_76ddc8e.json").read_text())

@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--env-max-turns", type=int, default=8)
     p.add_argument("--env-turn-tokens", type=int, default=0)
     p.add_argument("--env-timeout", type=float, default=30.0)
+    p.add_argument("--env-prefill-block", type=int, default=2048,
+                   help="Observation tokens fed in one pass (as --longstraw-env-prefill-block).")
     return p.parse_args(argv)
 
 
@@ -103,7 +105,8 @@ def main(argv=None) -> list[dict]:
         if args.env:
             ls.environment = EnvironmentSettings(env=args.env, env_max_turns=args.env_max_turns,
                                                  env_turn_tokens=args.env_turn_tokens,
-                                                 env_timeout=args.env_timeout)
+                                                 env_timeout=args.env_timeout,
+                                                 env_prefill_block=args.env_prefill_block)
             load_env_factory(args.env)
             env_limits(ls.environment)         # their checks name the bad value
     parallel.initialize(context_parallel_size=1, expert_parallel_size=1, seed=args.init_seed)

@@ -277,6 +277,10 @@ class EnvironmentSettings(Section):
     """Environment calls in flight at once: the members whose turns end at the same decode step
     call their environments (each in its own worker process) concurrently, at most N at a time
     (default 16)."""
+    env_prefill_block: int = setting(2048, low=1, metavar="N")
+    """Observation tokens fed into a member's state in one pass (default 2048): an observation
+    enters as blocks of up to N rows beside the other members' sampled rows, the same tokens and
+    log-probs as one row per decode step (1), in about 1/N of the passes."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

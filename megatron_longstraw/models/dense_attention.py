@@ -161,31 +161,24 @@ class DenseStateAttention(StateAwareMixer):
             self.emit_branch(state, kind, kind_rows)
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
-        """One new token per member (row i: member `state.decode.members[i]`): its key rows join
-        the member's branch pages; its query attends over the prompt's pages and the member's
-        generated rows, one key window at a time (`_decode_part`)."""
+        """The step's rows by member (`decode.DecodeCache.segments`: a new token, or a block of an
+        observation's ids): a segment's key rows join its member's branch pages, and its queries
+        attend over the prompt's pages and the member's rows up to each query's position, one
+        key window at a time (`_decode_part`). With the prompt's pages sharded over CP every rank
+        runs the same rows and keeps the same branch pages: each attends over its shard (rank 0
+        also over the member's rows) and the partial outputs merge by log-sum-exp
+        (`context_parallel.merge_replicated`)."""
         rows, queries, gate = self._project(x, state.positions)
-        outputs = []
-        for row in range(x.shape[0]):
-            part = self._decode_part(self._decode_rows(state, row, rows), x.device, rows[0].dtype)
-            outputs.append(self._attend(queries[row:row + 1], [part],
-                                        state.positions[row:row + 1], state))
-        return self._output(torch.cat(outputs), gate)
-
-    def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
-        """`forward_decode` with the prompt's pages sharded over CP (every rank runs the same rows;
-        the members' branch pages are the same on every rank): each rank attends over its shard
-        (rank 0 also over the member's generated rows), one key window at a time, and the partial
-        outputs merge by log-sum-exp (`context_parallel.merge_replicated`)."""
-        rows, queries, gate = self._project(x, state.positions)
+        sharded = state.cp.size > 1
         here = context_parallel.branch_keys_counted_here(state)
         outputs = []
-        for row in range(x.shape[0]):
-            keys = self._decode_rows(state, row, rows, branch_here=here)
-            out, lse = self._attend(queries[row:row + 1],
-                                    [self._decode_part(keys, x.device, rows[0].dtype)],
-                                    state.positions[row:row + 1], state, return_lse=True)
-            outputs.append(context_parallel.merge_replicated(out, lse, state))
+        for segment in range(len(state.decode.segments)):
+            span = state.decode.rows(segment)
+            keys = self.decode_rows(state, segment, {kind: kind_rows[span] for kind, kind_rows
+                                                     in zip(self.page_kinds, rows)}, here)
+            out = self._attend(queries[span], [self._decode_part(keys, x.device, rows[0].dtype)],
+                               state.positions[span], state, return_lse=sharded)
+            outputs.append(context_parallel.merge_replicated(*out, state) if sharded else out)
         return self._output(torch.cat(outputs), gate)
 
     # ---- shared pieces ----------------------------------------------------------------------
@@ -230,26 +223,17 @@ class DenseStateAttention(StateAwareMixer):
         for kind, kind_rows in zip(self.page_kinds, rows):
             self.write_rows(state, kind, kind_rows)
 
-    def _decode_rows(self, state: AttentionPass, row: int, rows, branch_here: bool = True):
-        """`decode`: row `row`'s new key rows (one tensor per kind) appended to its member's
-        branch pages -> the keys its query reads (`StateAwareMixer.decode_rows`)."""
-        return self.decode_rows(state, row, {kind: kind_rows[row:row + 1]
-                                             for kind, kind_rows in zip(self.page_kinds, rows)},
-                                branch_here)
-
     def _decode_part(self, keys, device, dtype) -> partials.PageWindows:
-        """A decode query's keys (`decode.DecodeKeys`) as one dense part read one key window at a
-        time (`partials.PageWindows`: a window of rows of every kind on the device, never all of
-        them). The part numbers its rows 0, 1, ..: their global positions on one process; under
-        CP (a shard, then the generated rows) not, but the causal mask is all a position does
-        here, and every row is visible to the member's query (num_rows <= its position + 1) with
-        either numbering."""
+        """A decode segment's keys (`decode.DecodeKeys`) as one dense part read one key window at
+        a time (`partials.PageWindows`: a window of rows of every kind on the device, never all
+        of them), at the rows' global positions (a CP shard's, then the member's), so each query
+        sees the member's rows up to its own position."""
 
         def read(start, end):
             return self._keys_values(tuple(keys.window(kind, start, end, device, dtype)
                                            for kind in self.page_kinds))
 
-        return partials.PageWindows(read, keys.num_rows, *self._key_value_dims())
+        return partials.PageWindows(read, keys.num_rows, *self._key_value_dims(), rows=keys)
 
     def _attend(self, queries: torch.Tensor, key_parts, q_positions: torch.Tensor,
                 state: AttentionPass, return_lse: bool = False):

@@ -134,15 +134,16 @@ class StateAwareMixer:
         return lambda start, end, grad: state.pages.add_grad(self.layer_idx, kind, grad,
                                                              slice(start, end))
 
-    def decode_rows(self, state: AttentionPass, row: int, new_rows: dict[str, torch.Tensor],
+    def decode_rows(self, state: AttentionPass, segment: int, new_rows: dict[str, torch.Tensor],
                     branch_here: bool = True):
-        """`decode`: append row `row`'s new rows ({kind: [1, ...]}) to its member's branch pages
-        -> this layer's keys for its query (`decode.DecodeKeys`: the prompt's pages, then, with
-        `branch_here`, the member's generated rows, on one row axis), read a key window or a
+        """`decode`: append segment `segment`'s new rows ({kind: [n, ...]}, its rows of the
+        step) to its member's branch pages -> this layer's keys for its queries
+        (`decode.DecodeKeys`: the prompt's pages, then, with `branch_here`, the member's rows,
+        on one row axis; each query sees those up to its position), read a key window or a
         selection at a time, so that no device tensor grows with the tokens generated."""
         for kind, rows in new_rows.items():
-            state.decode.append(row, self.layer_idx, kind, rows)
-        return state.decode.keys(row, self.layer_idx, state, branch_here)
+            state.decode.append(segment, self.layer_idx, kind, rows)
+        return state.decode.keys(segment, self.layer_idx, state, branch_here)
 
     def earlier_pass(self, state: AttentionPass) -> AttentionPass | None:
         """A blockwise branch pass (`state.branch`): the member's earlier blocks as a pass whose

@@ -113,24 +113,30 @@ class PageKeys:
 @dataclass
 class PageWindows:
     """A dense attention part read from a layer's pages one key window at a time (streamed
-    capture): key rows [0, num_keys) at positions 0..num_keys - 1 (one process), `read(start,
-    end)` -> (keys [t, g, d], values [t, g, d_v]) on the compute device. Attended by
-    `refs.streamed_attention` (no gradient): one window of keys on the device at a time, and the
-    same windows, so the same result, as over the rows held in one tensor."""
+    capture, decode): key rows [0, num_keys), `read(start, end)` -> (keys [t, g, d], values [t,
+    g, d_v]) on the compute device. Row i is at position i (one process), or where `rows` says:
+    an object with `positions(index)` (rows -> global positions, ascending) and `visible(last)`
+    (how many rows are at positions <= last), e.g. `decode.DecodeKeys` (a CP shard, then a
+    member's rows). Attended by `refs.streamed_attention` (no gradient): one window of keys on
+    the device at a time, and the same windows, so the same result, as over the rows held in
+    one tensor."""
 
     read: Callable
     num_keys: int
     groups: int
     value_dim: int
     key_grads: Callable | None = None
+    rows: object | None = None
 
     def __call__(self, start: int, end: int):
         keys, values = self.read(start, end)
-        return keys, values, torch.arange(start, end, device=keys.device)
+        index = torch.arange(start, end, device=keys.device)
+        return keys, values, index if self.rows is None else self.rows.positions(index)
 
     def blocks(self, q_pos: torch.Tensor, key_block: int):
         last = int(q_pos.max())
-        for start in range(0, min(self.num_keys, last + 1), key_block):
+        seen = last + 1 if self.rows is None else self.rows.visible(last)
+        for start in range(0, min(self.num_keys, seen), key_block):
             yield start, min(start + key_block, self.num_keys)
 
 

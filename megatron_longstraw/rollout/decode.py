@@ -5,15 +5,21 @@ rows and DSA index keys, K/V rows, GDN's recurrent state and conv tail. `generat
 responses from them, so one prompt pass serves rollout and training:
 
     capture(prompt)                              (or reuse the step's capture)
-    step t = 0, 1, ..: the G members' last tokens, one row each, run through the model together
-        token-wise work (projections, norms, FFN / MoE, the head) batched over the members;
-        each mixer appends the row's state to its member's branch pages (`DecodeCache`) and the
-        member's query attends over the prompt's pages plus its own generated rows (DSA: top-k over
-        the prompt's and the generated tokens' index keys; GDN: continues its member's state)
-    sample each member's next token (temperature, top-k, top-p; one generator per member, seeded from `seed`)
+    each step: every active member's rows, run through the model together: its last token, and
+        with an environment's observation queued, up to `EnvLimits.prefill_block` - 1 of its ids
+        (a block: the rows a token-by-token feed would run over as many steps)
+        token-wise work (projections, norms, FFN / MoE, the head) batched over all rows;
+        each mixer appends a member's rows' state to its branch pages (`DecodeCache`) and the
+        member's queries attend over the prompt's pages plus its own rows up to each query's
+        position (DSA: top-k over the prompt's and the member's index keys; GDN: continues the
+        member's state over its rows, the chunked rule for a block)
+    the rows that predict queued observation ids record the model's log-prob of them; the last
+        row of a member with nothing queued samples its next token (temperature, top-k, top-p;
+        one generator per member, seeded from `seed`, drawn once per sampled token, so the
+        samples do not depend on the block size)
 
 No autograd; the prompt is never copied. Each member's generated rows are pages too (one
-`PageStore` per member, in host memory when pages are offloaded), appended one row per step, and
+`PageStore` per member, in host memory when pages are offloaded), appended as they are run, and
 a step reads its keys as streamed capture does: dense attention one key window at a time, DSA's
 top-k over the index keys one key window at a time and MLA over only the selected latent rows
 (`DecodeKeys`: the prompt's pages and the member's generated rows on one row axis). So a step's
@@ -23,7 +29,7 @@ truncation: what scoring computes for the same tokens, `tests/test_decode.py`); 
 distribution's are returned beside them (what an engine reports when it samples with a
 temperature).
 
-Under context parallelism every rank of the CP group runs the same rows (the G members' tokens)
+Under context parallelism every rank of the CP group runs the same rows (the members' rows)
 and keeps the same branch caches; its pages are its prompt shard. Attention attends each query
 over this rank's shard (rank 0 also over the member's generated rows) and merges the ranks' partial
 outputs by log-sum-exp (`context_parallel.merge_replicated`, rank order on every rank: the same
@@ -45,6 +51,7 @@ from megatron_longstraw.config.sampling import SamplingParams
 from megatron_longstraw.config.settings import CaptureSettings, LongStrawConfig, capture_section
 from megatron_longstraw.context.capture import CapturedPrompt
 from megatron_longstraw.models.common import (
+    HEAD_CHUNK_ROWS,
     decoder_groups,
     embed,
     head_logits,
@@ -92,35 +99,40 @@ class Generation:
 
 @dataclass
 class DecodeCache:
-    """Each member's branch-local state, per (layer, kind): the rows its generated tokens wrote,
-    appended one per step to the member's own `PageStore` (pages of `page_tokens` rows on
-    `storage_device`: host memory when pages are offloaded, as capture's), or a carried state
-    (GDN: fixed size, kept as it is). `members` are the members whose rows the current step
-    runs, in row order. Nothing here grows on the device with the tokens generated: a step reads
-    the rows back a key window or a selection at a time (`keys`)."""
+    """Each member's branch-local state, per (layer, kind): the rows its tokens wrote, appended
+    to the member's own `PageStore` (pages of `page_tokens` rows on `storage_device`: host memory
+    when pages are offloaded, as capture's), or a carried state (GDN: fixed size, kept as it is).
+    `segments` are the current step's rows by member, in row order: (member, first row, end
+    row), one row for a sampled token, several for a block of an observation (`generate`).
+    Nothing here grows on the device with the tokens generated: a step reads the rows back a key
+    window or a selection at a time (`keys`)."""
 
     page_tokens: int
     storage_device: torch.device | str = "cpu"
-    members: list[int] = field(default_factory=list)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
     _pages: dict[int, PageStore] = field(default_factory=dict)
     _carried: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
 
-    def append(self, row: int, layer: int, kind: str, rows: torch.Tensor) -> None:
-        """Append the current step's `rows` [1, ...] of (layer, kind) to the pages of the member
-        of row `row`."""
-        member = self.members[row]
+    def rows(self, segment: int) -> slice:
+        """The current step's rows of segment `segment`."""
+        _, start, end = self.segments[segment]
+        return slice(start, end)
+
+    def append(self, segment: int, layer: int, kind: str, rows: torch.Tensor) -> None:
+        """Append the segment's `rows` [n, ...] of (layer, kind) to its member's pages."""
+        member = self.segments[segment][0]
         store = self._pages.get(member)
         if store is None:
             store = self._pages[member] = PageStore(page_tokens=self.page_tokens,
                                                     storage_device=self.storage_device)
         store.append(layer, kind, rows)
 
-    def keys(self, row: int, layer: int, state: AttentionPass,
+    def keys(self, segment: int, layer: int, state: AttentionPass,
              branch_here: bool = True) -> DecodeKeys:
-        """The key rows of `layer` the query of row `row` reads (`DecodeKeys`): this process's
-        prompt pages, then, with `branch_here`, its member's generated rows (the current step's
-        appended already)."""
-        branch = self._pages[self.members[row]]
+        """The key rows of `layer` the segment's queries read (`DecodeKeys`): this process's
+        prompt pages, then, with `branch_here`, its member's rows (the segment's appended
+        already: each query sees those up to its own position)."""
+        branch = self._pages[self.segments[segment][0]]
         prompt = LayerRows(state.pages, layer) if state.pages is not None and \
             layer in state.pages.layers() else None
         positions = state.cp.prefix_positions
@@ -131,11 +143,11 @@ class DecodeCache:
                           num_generated=branch.num_tokens(layer, branch.kinds(layer)[0]),
                           prefix_len=state.prefix_len, branch_here=branch_here)
 
-    def carried(self, row: int, layer: int, kind: str) -> torch.Tensor | None:
-        return self._carried.get((self.members[row], layer, kind))
+    def carried(self, segment: int, layer: int, kind: str) -> torch.Tensor | None:
+        return self._carried.get((self.segments[segment][0], layer, kind))
 
-    def carry(self, row: int, layer: int, kind: str, tensor: torch.Tensor) -> None:
-        self._carried[(self.members[row], layer, kind)] = tensor
+    def carry(self, segment: int, layer: int, kind: str, tensor: torch.Tensor) -> None:
+        self._carried[(self.segments[segment][0], layer, kind)] = tensor
 
 
 @dataclass(frozen=True)
@@ -151,9 +163,9 @@ class DecodeKeys:
     prompt_positions: torch.Tensor
     """[num_prompt_rows] global positions of the prompt rows, ascending."""
     branch: LayerRows
-    """The member's generated rows of the layer (row i: position prefix_len + i)."""
+    """The member's rows of the layer (row i: position prefix_len + i)."""
     num_generated: int
-    """Rows the member has generated so far, the current step's included."""
+    """The member's rows so far, the current step's included."""
     prefix_len: int
     branch_here: bool = True
 
@@ -164,6 +176,13 @@ class DecodeKeys:
     @property
     def num_rows(self) -> int:
         return self.num_prompt_rows + (self.num_generated if self.branch_here else 0)
+
+    def visible(self, last: int) -> int:
+        """Rows at positions <= `last` (a query's position): every prompt row, the member's up
+        to it. The rows are in position order, so they are the first ones."""
+        if not self.branch_here:
+            return self.num_prompt_rows
+        return self.num_prompt_rows + max(0, min(self.num_generated, last - self.prefix_len + 1))
 
     def positions(self, index: torch.Tensor) -> torch.Tensor:
         """Global positions of rows `index` (any shape, >= 0)."""
@@ -206,9 +225,9 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     `envs` (one per member; env.py): multi-turn trajectories. A member's turn ends at one of
     its env's stop ids (or after `env_limits.turn_tokens` tokens); the calls of the members whose
     turns end at one step run together (at most `env_limits.max_concurrency` at a time), and each
-    env's observation is then fed in as the member's next input rows, one per decode step beside
-    the other members' sampled rows (prefilled into its branch pages exactly as sampled tokens
-    are), with loss mask 0. `envs` is a list of environment objects (called in this process,
+    env's observation is then fed in as the member's next input rows, in blocks of up to
+    `env_limits.prefill_block` rows per step beside the other members' rows (prefilled into its
+    branch pages exactly as sampled tokens are), with loss mask 0. `envs` is a list of environment objects (called in this process,
     env.LocalEnvs) or env_workers.WorkerEnvs (each made and called in a worker process); an
     environment that would never be called, or a factory that fails, raises env.EnvSetupError.
     `settings`: the capture section, for the block sizes and where pages live (a whole
@@ -242,33 +261,60 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
     try:
         env_stop_ids = None if runner is None else _start_envs(runner, limits, captured.layout)
         with torch.no_grad():
-            for step in range(params.max_new_tokens):
-                cache.members = active
-                position = captured.prefix_len + step
+            while active:
+                # A member's rows this step: its last token, then (with an observation queued)
+                # up to `prefill_block` - 1 of the observation's ids; the rows predict the
+                # queued ids (forced) and, once they are all in, the member's next token.
+                segments, inputs, positions = [], [], []
+                for member in active:
+                    done, pending = len(tokens[member]), trajectories[member].pending
+                    count = min(1 + min(len(pending), limits.prefill_block - 1),
+                                params.max_new_tokens - done)
+                    segments.append((member, len(inputs), len(inputs) + count))
+                    inputs += [last[member]] + pending[:count - 1]
+                    positions += range(captured.prefix_len + done, captured.prefix_len + done + count)
+                cache.segments = segments
                 state = AttentionPass(
-                    mode="decode", positions=torch.full((len(active),), position, device=device),
+                    mode="decode", positions=torch.tensor(positions, device=device),
                     pages=captured.pages, prefix_len=captured.prefix_len, cp=cp,
-                    query_block=capture.query_block, key_block=capture.key_block, token_block=capture.token_block,
-                    decode=cache, member_selections=[{} for _ in active])
-                hidden = embed(model, torch.tensor([last[m] for m in active], device=device))
+                    query_block=capture.query_block, key_block=capture.key_block,
+                    token_block=capture.token_block, decode=cache,
+                    member_selections=[{} for _ in segments])
+                hidden = embed(model, torch.tensor(inputs, device=device))
                 for group in groups:
                     hidden = run_group(group, hidden, state)
-                logits = head_logits(model, hidden).double().cpu()              # [A, vocab]
-                model_logp = F.log_softmax(logits, dim=-1)
-                sample_logp = _sampling_logprobs(logits, params)
-                picked = _sample(sample_logp, params, [samplers[m] for m in active])
+                forced_rows, forced_ids, sampled = [], [], []
+                for member, start, end in segments:
+                    queued = trajectories[member].pending[:end - start]
+                    forced_rows += range(start, start + len(queued))
+                    forced_ids += queued
+                    if len(queued) < end - start:
+                        sampled.append((member, end - 1))
+                forced_logps = iter(_forced_logprobs(model, hidden, forced_rows, forced_ids))
+                if sampled:
+                    logits = head_logits(model, hidden[[row for _, row in sampled]]).double().cpu()
+                    model_logp = F.log_softmax(logits, dim=-1)                # [A, vocab]
+                    sample_logp = _sampling_logprobs(logits, params)
+                    picked = _sample(sample_logp, params, [samplers[m] for m, _ in sampled])
                 ended, due = set(), []     # due: members whose turn closed (an env call each)
-                for row, member in enumerate(active):
+                for member, start, end in segments:
                     path = trajectories[member]
-                    forced = bool(path.pending)
-                    token = path.pending.pop(0) if forced else int(picked[row])
+                    forced = path.pending[:end - start]
+                    del path.pending[:len(forced)]
+                    for token in forced:            # an observation's ids: the model's log-probs
+                        logp = next(forced_logps)
+                        tokens[member].append(token)
+                        logps[member].append(logp)
+                        sample_logps[member].append(logp)
+                        path.mask.append(False)
+                        last[member] = token
+                for i, (member, _) in enumerate(sampled):
+                    path, token = trajectories[member], int(picked[i])
                     tokens[member].append(token)
-                    logps[member].append(float(model_logp[row, token]))
-                    sample_logps[member].append(float((model_logp if forced else sample_logp)[row, token]))
-                    path.mask.append(not forced)
+                    logps[member].append(float(model_logp[i, token]))
+                    sample_logps[member].append(float(sample_logp[i, token]))
+                    path.mask.append(True)
                     last[member] = token
-                    if forced:
-                        continue
                     if token in stop_ids:
                         stopped[member], path.end_reason = True, "stop id"
                         ended.add(member)
@@ -287,8 +333,6 @@ def generate(model, captured: CapturedPrompt, num_members: int, params: Sampling
                             ended.add(member)
                 active = [m for m in active
                           if m not in ended and len(tokens[m]) < params.max_new_tokens]
-                if not active:
-                    break
     finally:
         if runner is not None:
             runner.close()
@@ -382,6 +426,18 @@ def _take_outcome(path: _Trajectory, outcome, limits: EnvLimits, room: int) -> b
         return False          # the cut observation is still fed in; the length limit ends it
     path.pending = observation
     return False
+
+
+def _forced_logprobs(model, hidden: torch.Tensor, rows: list[int], ids: list[int]) -> list[float]:
+    """The model's log-probs (fp64 softmax, as sampled rows') of the queued observation ids
+    `ids` at rows `rows` of `hidden` [R, 1, h], `HEAD_CHUNK_ROWS` rows at a time: a block of
+    observation rows never forms [block, vocab] logits at once."""
+    out = []
+    for at in range(0, len(rows), HEAD_CHUNK_ROWS):
+        logits = head_logits(model, hidden[rows[at:at + HEAD_CHUNK_ROWS]]).double()
+        picked = torch.tensor(ids[at:at + HEAD_CHUNK_ROWS], device=logits.device)
+        out += F.log_softmax(logits, dim=-1).gather(-1, picked[:, None])[:, 0].tolist()
+    return out
 
 
 def _sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

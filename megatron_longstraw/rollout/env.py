@@ -12,8 +12,9 @@ multi-turn agent rollouts over one captured prompt.
 
 Generation (decode.generate with `envs`) samples a member's tokens until one of the env's stop ids
 (or `EnvLimits.turn_tokens` tokens of the turn, when set), calls `step`, and prefills the
-observation's ids into the member's branch state one decode row at a time, from the captured
-prompt and the member's own earlier rows: the prompt and earlier turns are never run again. The
+observation's ids into the member's branch state in blocks of up to `EnvLimits.prefill_block`
+rows per decode pass (beside the other members' sampled rows), from the captured prompt and the
+member's own earlier rows: the prompt and earlier turns are never run again. The
 observation's tokens are context, not policy output: their loss mask is 0. A member ends at the
 policy's own stop ids (`--longstraw-stop-ids`), when the env says done, at `max_turns` env calls,
 or at `max_new_tokens` tokens in all (observations included; an observation that does not fit is
@@ -88,6 +89,8 @@ class EnvLimits:
     """Seconds one `step` call may take."""
     max_concurrency: int = 16
     """Environment calls in flight at once (the members whose turns close at one decode step)."""
+    prefill_block: int = 2048
+    """Observation tokens a member feeds in one decode pass (1: one per step, token by token)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -102,6 +105,9 @@ class EnvLimits:
         if self.max_concurrency < 1:
             raise ValueError(f"env max_concurrency={self.max_concurrency}: allow at least one "
                              "call at a time (--longstraw-env-max-concurrency).")
+        if self.prefill_block < 1:
+            raise ValueError(f"env prefill_block={self.prefill_block}: feed at least one "
+                             "observation token per pass (--longstraw-env-prefill-block).")
 
 
 class EnvError(Exception):

@@ -115,7 +115,8 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
 def env_limits(environment: EnvironmentSettings) -> EnvLimits:
     return EnvLimits(max_turns=environment.env_max_turns, turn_tokens=environment.env_turn_tokens,
                      timeout_s=environment.env_timeout,
-                     max_concurrency=environment.env_max_concurrency)
+                     max_concurrency=environment.env_max_concurrency,
+                     prefill_block=environment.env_prefill_block)
 
 
 def make_envs(environment: EnvironmentSettings, record, prompt, tokenizer, name: str,

@@ -54,10 +54,11 @@ Modes (`models/mixer.py` dispatches on them, once, for every mixer):
              block's state (its key rows, the carried state at its end) to `branch.emitted`;
              replay.py appends it to `branch.pages` (forward, no autograd) or gives it the
              cotangents later blocks left there (the reverse walk).
-- `decode`: the current tokens are the G members' newest tokens, one row each (decode.py): each
-             mixer appends a row's state to its member's branch pages and attends the member's
-             query over the prompt's pages plus those, a key window or a selection at a time
-             (no autograd).
+- `decode`: the current tokens are the members' rows of a decode step (decode.py), in segments
+             of one member each: its newest token, or a block of an observation's ids. Each
+             mixer appends a segment's state to its member's branch pages and attends its queries
+             over the prompt's pages plus the member's rows up to each query's position, a key
+             window or a selection at a time (no autograd).
 """
 
 from __future__ import annotations
@@ -153,10 +154,10 @@ class AttentionPass:
     """Blockwise `prompt_backward`: the carried state by kind at the block's start (kept by
     capture in `boundaries`; None: the zero start state), for a mixer that carries one (GDN)."""
     decode: Optional[object] = None
-    """`decode`: the members' branch caches (`decode.DecodeCache`); row i of the current tokens is
-    member `decode.members[i]`'s newest token."""
+    """`decode`: the members' branch caches (`decode.DecodeCache`); its `segments` say which rows
+    of the current tokens are whose."""
     member_selections: Optional[list[dict]] = None
-    """`decode`: per row, its member's DSA selections of this step (`decode.member_pass`)."""
+    """`decode`: per segment, its member's DSA selections of this step (`member_pass`)."""
     boundaries: Optional[dict[int, list]] = None
     """`capture` for the exact gradient on one process: per layer, the carried state (by kind) at
     the start of each token block, appended by mixers that carry one."""
@@ -202,9 +203,10 @@ class EarlierBlocks:
         return int(self.positions.numel())
 
 
-def member_pass(state: AttentionPass, row: int) -> AttentionPass:
-    """`decode`: the pass seen by the query of row `row` in a decode step: its position, its member's own
-    top-k selections of this step (IndexShare layers read their source layer's for the same
-    member)."""
-    return replace(state, positions=state.positions[row:row + 1],
-                   selections=state.member_selections[row], member_selections=None)
+def member_pass(state: AttentionPass, segment: int) -> AttentionPass:
+    """`decode`: the pass seen by the queries of segment `segment` of a decode step (one
+    member's rows, `decode.DecodeCache.segments`): their positions, the member's own top-k
+    selections of this step (IndexShare layers read their source layer's for the same member)."""
+    rows = state.decode.rows(segment)
+    return replace(state, positions=state.positions[rows],
+                   selections=state.member_selections[segment], member_selections=None)

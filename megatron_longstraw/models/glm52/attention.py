@@ -112,13 +112,18 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     def forward_capture_block_sharded(self, x: torch.Tensor, state: AttentionPass):
         """The block's queries over the layer's rows so far (`capture_keys`: the pages, or under
-        CP every rank's rows in host memory): per query block, the top-k is scored over the
-        index keys one key window at a time (running top-k), and only the selected latent rows
-        are read. Device memory: a block's rows, a window, a query block's selected rows; never
-        the layer's pages."""
-        keys = self.capture_keys(state)
-        num_keys = int(state.positions[-1]) + 1
+        CP every rank's rows in host memory), `_attend_keys`. Device memory: a block's rows, a
+        window, a query block's selected rows; never the layer's pages."""
         k = min(self.config.dsa_indexer_topk, state.cp.global_len)
+        return self._project_out(self._attend_keys(x, state, self.capture_keys(state),
+                                                   int(state.positions[-1]) + 1, k))
+
+    def _attend_keys(self, x: torch.Tensor, state: AttentionPass, keys, num_keys: int,
+                     k: int) -> torch.Tensor:
+        """The current rows' queries over key rows [0, num_keys) read from `keys` (row =
+        position: `capture_keys`, or a member's `decode.DecodeKeys` on one process): per query
+        block, the top-k is scored over the index keys one key window at a time (running top-k,
+        causal by position), and only the selected latent rows are read. -> [s, h, v]"""
         outputs = []
         for start in range(0, x.shape[0], state.query_block):
             end = min(start + state.query_block, x.shape[0])
@@ -131,7 +136,7 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
             out_latent, _ = partials.sparse_mla(query, [rows], local, self.softmax_scale,
                                                 self.config.kv_lora_rank)
             outputs.append(self._up_project_values(out_latent))
-        return self._project_out(torch.cat(outputs))
+        return torch.cat(outputs)
 
     def _topk_pages(self, q_index, weights, keys, state: AttentionPass, num_keys: int,
                     query_positions, k: int) -> torch.Tensor:
@@ -208,67 +213,64 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return self._project_out(self._attend(x, state, parts, index_keys, positions))
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
-        """One new token per member (row i: member `state.decode.members[i]`): its latent row and
-        index key join the member's branch pages; its query attends as a streamed capture block's
-        do (`forward_capture_block_sharded`) over the prompt's and the member's generated rows
-        (`decode.DecodeKeys`, row = position): a top-k over their index keys one key window at a
-        time (full indexer layers) or its source layer's for the same member (IndexShare), then
-        only the selected latent rows are gathered (`_decode_attend`)."""
+        """The step's rows by member (`decode.DecodeCache.segments`: a new token, or a block of an
+        observation's ids): a segment's latent rows and index keys join its member's branch
+        pages; its queries attend as a streamed capture block's do (`_attend_keys`) over the
+        prompt's and the member's rows (`decode.DecodeKeys`, row = position): a top-k over their
+        index keys one key window at a time, causal by position (full indexer layers), or its
+        source layer's for the same member (IndexShare), then only the selected latent rows are
+        gathered."""
         latents, index_keys = self._token_rows(x, state)
         outputs = []
-        for row in range(x.shape[0]):
-            member = member_pass(state, row)
-            keys = self.decode_rows(state, row, self._decode_new_rows(latents, index_keys, row))
-            q_compressed, query = self._queries(x[row:row + 1], member.positions)
+        for segment in range(len(state.decode.segments)):
+            span = state.decode.rows(segment)
+            keys = self.decode_rows(state, segment,
+                                    self._decode_new_rows(latents, index_keys, span))
             k = min(self.config.dsa_indexer_topk, keys.num_rows)
-            selection = self._selection(x[row:row + 1], q_compressed, member, 0, 1,
-                                        lambda q_index, w: self._topk_pages(
-                                            q_index, w, keys, member, keys.num_rows,
-                                            member.positions, k))
-            out_latent, _ = self._decode_attend(query, keys, selection, latents.dtype)
-            outputs.append(self._up_project_values(out_latent))
+            outputs.append(self._attend_keys(x[span], member_pass(state, segment), keys,
+                                             keys.num_rows, k))
         return self._project_out(torch.cat(outputs))
 
     def forward_decode_sharded(self, x: torch.Tensor, state: AttentionPass):
         """`forward_decode` with the prompt's pages sharded over CP (every rank runs the same
-        rows; the members' branch pages are the same on every rank): the top-k merges every
-        rank's candidates (`_decode_candidates`: its prompt shard, plus the member's generated
-        keys on rank 0, one key window at a time), each rank attends over the rows of the
-        selection it holds (gathered), and the partial outputs merge by log-sum-exp."""
-        cfg = self.config
-        core: DSAIndexHolder = self.core_attention
+        rows; the members' branch pages are the same on every rank): per query block of a
+        segment, the top-k merges every rank's candidates (`_decode_candidates`: its prompt
+        shard, plus the member's rows on rank 0, one key window at a time), each rank attends
+        over the rows of the selection it holds (gathered), and the partial outputs merge by
+        log-sum-exp."""
         cp = state.cp
         here = context_parallel.branch_keys_counted_here(state)
         latents, index_keys = self._token_rows(x, state)
         outputs = []
-        for row in range(x.shape[0]):
-            member = member_pass(state, row)
-            position = member.positions
-            keys = self.decode_rows(state, row, self._decode_new_rows(latents, index_keys, row),
+        for segment in range(len(state.decode.segments)):
+            span = state.decode.rows(segment)
+            member, rows = member_pass(state, segment), x[span]
+            keys = self.decode_rows(state, segment,
+                                    self._decode_new_rows(latents, index_keys, span),
                                     branch_here=here)
-            q_compressed, query = self._queries(x[row:row + 1], position)
-            if core.indexer is None:
-                selection = member.selections[core.topk_source]
-            else:
-                with torch.no_grad():
-                    q_index, weights = self._index_queries(x[row:row + 1], q_compressed, position)
-                    scores, found = self._decode_candidates(q_index, weights, keys, position,
-                                                            state)
-                    k = min(cfg.dsa_indexer_topk, state.prefix_len + keys.num_generated)
-                    selection = collectives.merge_topk_candidates(scores, found, k, cp.layout)
-                member.selections[core.layer_idx] = selection
-            local = context_parallel.local_key_index(selection, keys.prompt_positions,
-                                                     state.prefix_len, here)
-            out, lse = self._decode_attend(query, keys, local, latents.dtype)
-            merged = context_parallel.merge_replicated(out, lse, state)
-            outputs.append(self._up_project_values(merged))
+            k = min(self.config.dsa_indexer_topk, state.prefix_len + keys.num_generated)
+            for start in range(0, rows.shape[0], state.query_block):
+                end = min(start + state.query_block, rows.shape[0])
+                positions = member.positions[start:end]
+                q_compressed, query = self._queries(rows[start:end], positions)
+                selection = self._selection(
+                    rows[start:end], q_compressed, member, start, end,
+                    lambda q_index, w: collectives.merge_topk_candidates(
+                        *self._decode_candidates(q_index, w, keys, positions, state), k,
+                        cp.layout))
+                local = context_parallel.local_key_index(selection, keys.prompt_positions,
+                                                         state.prefix_len, here)
+                out, lse = self._decode_attend(query, keys, local, latents.dtype)
+                merged = context_parallel.merge_replicated(out, lse, state)
+                outputs.append(self._up_project_values(merged))
         return self._project_out(torch.cat(outputs))
 
     def _decode_candidates(self, q_index, weights, keys, position, state: AttentionPass):
-        """This rank's DSA candidates for a decode query: the top-k over the index keys of `keys`
-        (`decode.DecodeKeys`), read one key window at a time -> (scores [1, topk], global
-        positions [1, topk]), padded with -inf / -1 to the full top-k width, so that every rank
-        contributes the same shape to the candidate exchange."""
+        """This rank's DSA candidates for decode queries [s, ...] at `position` [s]: the top-k over
+        the index keys of `keys` (`decode.DecodeKeys`) at positions up to each query's, read one
+        key window at a time -> (scores [s, topk], global positions [s, topk]), padded with -inf
+        / -1 to the full top-k width, so that every rank contributes the same shape to the
+        candidate exchange."""
         cfg = self.config
 
         def read(start, end):
@@ -283,9 +285,10 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
         return scores, torch.where(idx >= 0, keys.positions(idx.clamp(min=0)), -1)
 
     def _decode_attend(self, query: torch.Tensor, keys, local: torch.Tensor, dtype):
-        """A decode query [1, h, d_qk] over the rows of `keys` (`decode.DecodeKeys`) that `local`
-        [1, k] selects (row indices, -1 = none): only those latent rows are gathered (one
-        selection on the device, never the layer's rows). -> (out [1, h, kv_lora_rank], lse)"""
+        """Decode queries [s, h, d_qk] over the rows of `keys` (`decode.DecodeKeys`) that `local`
+        [s, k] selects (row indices, -1 = none): only those latent rows are gathered (one query
+        block's selection on the device, never the layer's rows). -> (out [s, h, kv_lora_rank],
+        lse)"""
         used, local = partials.compact_selection(local)
         if used is None:        # nothing selected here: one zero row keeps the shapes valid
             rows = query.new_zeros((1, query.shape[-1]), dtype=dtype)
@@ -296,11 +299,11 @@ class LongStrawMLASelfAttention(AbsorbedMLA):
 
     @staticmethod
     def _decode_new_rows(latents: torch.Tensor, index_keys: torch.Tensor | None,
-                         row: int) -> dict[str, torch.Tensor]:
-        """`decode`: row `row`'s new rows by page kind (its index key on full indexer layers)."""
-        rows = {LATENT: latents[row:row + 1]}
+                         span: slice) -> dict[str, torch.Tensor]:
+        """`decode`: a segment's new rows by page kind (its index keys on full indexer layers)."""
+        rows = {LATENT: latents[span]}
         if index_keys is not None:
-            rows[INDEX_KEY] = index_keys[row:row + 1]
+            rows[INDEX_KEY] = index_keys[span]
         return rows
 
     def _attend(self, x: torch.Tensor, state: AttentionPass, key_parts, key_index,

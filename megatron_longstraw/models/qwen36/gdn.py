@@ -177,8 +177,9 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
         return self._continue(x, state, conv_tail, recurrent)
 
     def forward_decode(self, x: torch.Tensor, state: AttentionPass):
-        """One new token per member (row i: member `state.decode.members[i]`), each continuing
-        its member's (conv tail, state): the prompt's at the first step, its own afterwards.
+        """The step's rows by member (`decode.DecodeCache.segments`: a new token, or a block of an
+        observation's ids), each segment continuing its member's (conv tail, state): the
+        prompt's at the first step, its own afterwards (a block: the chunked rule over it).
         Under CP every rank runs the same rows for its heads (the pages hold its heads' state)
         and the heads' outputs are gathered before `out_proj`."""
         projected = self.in_proj(x)[0]
@@ -188,19 +189,20 @@ class LongStrawGatedDeltaNet(StateAwareMixer, GatedDeltaNet):
             columns = projected[:, 0].index_select(-1, head_perm)
             projected = columns.chunk(state.cp.size, dim=-1)[state.cp.rank][:, None]
         outputs = []
-        for row in range(x.shape[0]):
-            conv_tail = state.decode.carried(row, self.layer_idx, CONV_TAIL)
-            recurrent = state.decode.carried(row, self.layer_idx, GDN_STATE)
+        for segment in range(len(state.decode.segments)):
+            conv_tail = state.decode.carried(segment, self.layer_idx, CONV_TAIL)
+            recurrent = state.decode.carried(segment, self.layer_idx, GDN_STATE)
             if conv_tail is None:
                 if state.prefix_len > 0:
                     conv_tail = self.read_page(state, CONV_TAIL, x.device, x.dtype)
                     recurrent = self.read_page(state, GDN_STATE, x.device)[None]
                 else:
                     conv_tail, recurrent = self._zero_state(x)
-            mixed, conv_tail, recurrent = self._mix(projected[row:row + 1], conv_tail, recurrent,
-                                                    True)
-            state.decode.carry(row, self.layer_idx, CONV_TAIL, conv_tail)
-            state.decode.carry(row, self.layer_idx, GDN_STATE, recurrent)
+            mixed, conv_tail, recurrent = self._mix(projected[state.decode.rows(segment)],
+                                                    conv_tail, recurrent, True)
+            # the tail is a view of [tail; rows]: kept alone, not with a block's rows
+            state.decode.carry(segment, self.layer_idx, CONV_TAIL, conv_tail.clone())
+            state.decode.carry(segment, self.layer_idx, GDN_STATE, recurrent)
             outputs.append(mixed)
         mixed = torch.cat(outputs)
         if state.cp.size > 1:   # every head's output, rank-major as `_to_rows` orders them
