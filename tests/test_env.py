@@ -150,6 +150,37 @@ def test_the_lookup_env_answers_from_the_prompt_and_rewards_the_answer_turn():
         EnvLimits(max_turns=0)
 
 
+def test_the_lookup_env_answers_from_a_table_only_it_holds():
+    env = lookup({"answer": 7, "answer_turn": 2, "table": [[5, 7], [6, 3]]}, [5, 9, 5, 9])
+    assert env.step([5]).observation == [5, 7]           # the table's, not the prompt's 9
+    assert env.step([7]).reward == 1.0
+    assert lookup({"table": [[6, 3]]}, [5, 9]).step([5]).observation == [5, 0]
+    with pytest.raises(ValueError, match=r"table must be \[key, value\] pairs"):
+        lookup({"table": [[5]]}, [5, 9])
+
+
+def test_the_blind_control_calls_the_tools_but_feeds_nothing_of_them():
+    """`--longstraw-control blind` (env.BlindEnvs): every call runs and its reward counts, no
+    observation enters the trajectory; without an environment the control is refused."""
+    from megatron_longstraw.config.settings import LongStrawConfig
+    from megatron_longstraw.rollout.env import BlindEnvs, LocalEnvs
+
+    cfg, model = _build("glm52")
+    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
+    ls = _ls(2)
+    captured = capture_prompt(model, prompt, ls)
+    tools = [LookupEnv(prompt, answer=-1, answer_turn=3) for _ in range(2)]
+    outs = generate(model, captured, 2, SamplingParams(max_new_tokens=12, seed=3), ls,
+                    envs=BlindEnvs(LocalEnvs(tools)),
+                    env_limits=EnvLimits(max_turns=3, turn_tokens=2))
+    for out, env in zip(outs, tools):
+        assert env.calls == 3 and out.end_reason == "env done" and out.env_reward == 0.0
+        assert out.token_ids.numel() == 6 and bool(out.loss_mask.all())
+        assert [t["observation_tokens"] for t in out.turns] == [0, 0, 0]
+    with pytest.raises(ValueError, match="needs --longstraw-env"):
+        LongStrawConfig.of(rollout="online", control="blind")
+
+
 def _agent_prompts(tmp_path, meta_extra=None):
     """Prompt lines for the lookup env: facts as (key, value) id pairs; the answer is a value."""
     import json

@@ -32,4 +32,4 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k}: use 0 (off) or a positive count.")
 
 
-CONTROLS = ("none", "zeros")
+CONTROLS = ("none", "zeros", "blind")

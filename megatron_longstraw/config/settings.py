@@ -229,7 +229,9 @@ class RolloutSettings(Section):
     """Online: token ids that end a response (kept in it)."""
     control: str = setting("none", choices=CONTROLS)
     """Online control run: zeros replaces the captured prompt state by zeros (the policy sees
-    nothing of the prompt but its last token)."""
+    nothing of the prompt but its last token); blind (with --longstraw-env) calls the
+    environments as usual but feeds none of their observations (the policy is told nothing by
+    its tools; their rewards count as usual)."""
     dynamic_sampling: bool = setting(False)
     """Online (DAPO): drop generated groups whose rewards are all equal and generate more from
     the next prompts until the step's batch is full."""
@@ -426,6 +428,9 @@ class LongStrawConfig:
             raise ValueError("longstraw control (--longstraw-control zeros) replaces the captured "
                              "prompt state in the online loop: it needs --longstraw-rollout online "
                              "and the detached prompt gradient.")
+        if rollout.control == "blind" and env.env is None:
+            raise ValueError("longstraw control blind (--longstraw-control blind) withholds the "
+                             "environments' observations: it needs --longstraw-env.")
         if rollout.dynamic_sampling and rollout.mode != "online":
             raise ValueError("longstraw dynamic_sampling (--longstraw-dynamic-sampling) drops "
                              "generated groups without signal and generates more: it needs "

@@ -297,3 +297,27 @@ class LocalEnvs:
 
     def close(self) -> None:
         pass
+
+
+class BlindEnvs:
+    """A runner (`LocalEnvs`, `env_workers.WorkerEnvs`) whose observations are withheld: every
+    call runs and its reward and `done` count, but its observation is empty, so the policy is
+    told nothing by its tools (`--longstraw-control blind`, the control of an agent task). The
+    withheld observations are not checked against the vocabulary (nothing of them is fed)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __len__(self) -> int:
+        return len(self.runner)
+
+    def start(self, limits: EnvLimits) -> list[tuple[int, ...]]:
+        return self.runner.start(limits)
+
+    def call(self, due: list[tuple[int, list[int]]], limits: EnvLimits) -> list[EnvStep | str]:
+        return [outcome if isinstance(outcome, str) else
+                EnvStep(observation=(), reward=outcome.reward, done=outcome.done)
+                for outcome in self.runner.call(due, limits)]
+
+    def close(self) -> None:
+        self.runner.close()

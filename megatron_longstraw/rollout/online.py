@@ -46,7 +46,7 @@ from megatron_longstraw.config.settings import EnvironmentSettings, LongStrawCon
 from megatron_longstraw.context.capture import CapturedPrompt, capture_prompt
 from megatron_longstraw.data.group import GRPOGroup
 from megatron_longstraw.rollout.decode import generate
-from megatron_longstraw.rollout.env import EnvLimits, EnvSetupError
+from megatron_longstraw.rollout.env import BlindEnvs, EnvLimits, EnvSetupError
 from megatron_longstraw.rollout.env_workers import WorkerEnvs
 from megatron_longstraw.rollout.rewards import compute_rewards
 from megatron_longstraw.runtime.errors import ConfigError
@@ -90,6 +90,8 @@ def rollout_group(model, record, cfg: LongStrawConfig, reward_fn, seed: int, tok
     members = cfg.members_per_group()   # G, or G x K with K updates per capture
     envs = (make_envs(cfg.environment, record, prompt, tokenizer, name, members)
             if cfg.environment.env else None)
+    if envs is not None and control == "blind":
+        envs = BlindEnvs(envs)
     try:
         generations = generate(model, captured, members, sampling_params(cfg, seed),
                                cfg.capture, envs=envs,
