@@ -137,3 +137,31 @@ def test_prompt_shards_shorter_than_topk(reference):
             assert (got - exp).abs().max() <= 1e-9
         # A plain forward under CP has no layout: refused, not silently shard-local.
         assert "no context-parallel layout" in out["plain_forward"], out["plain_forward"]
+
+
+def test_a_one_process_group_leaves_no_rendezvous_for_its_children():
+    """A one-process group started without a launcher uses an in-process store: it sets no
+    RANK/MASTER_PORT a child process would inherit, so a tool this process starts (the bench
+    tests run tools that initialise their own group) starts its own group instead of failing on
+    the parent's port (EADDRINUSE, as CI saw)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    code = ("import os, subprocess, sys\n"
+            "from megatron_longstraw.distributed import parallel\n"
+            "parallel.initialize()\n"
+            "assert not {'RANK', 'MASTER_PORT'} & set(os.environ), sorted(os.environ)\n"
+            "child = 'from megatron_longstraw.distributed import parallel; parallel.initialize(); "
+            "import torch.distributed as d; print(d.get_world_size())'\n"
+            "out = subprocess.run([sys.executable, '-c', child], capture_output=True, text=True)\n"
+            "assert out.returncode == 0 and out.stdout.strip() == '1', out.stderr[-1500:]\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"},
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -31,16 +31,17 @@ def initialize(context_parallel_size: int = 1, expert_parallel_size: int = 1, se
     platform.apply()
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if platform.has_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         kwargs = {}
         if init_method is not None:
             kwargs = dict(init_method=init_method, rank=int(os.environ["RANK"]),
                           world_size=int(os.environ["WORLD_SIZE"]))
+        elif "RANK" not in os.environ:
+            # One process, no launcher: an in-process store, no port and no environment
+            # variables, so a child process this one starts cannot inherit a rendezvous that is
+            # not its own (a port already in use: EADDRINUSE).
+            kwargs = dict(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(platform.dist_backend(), timeout=timeout, **kwargs)
     world = dist.get_world_size()
     if world % context_parallel_size or world % expert_parallel_size:
@@ -112,14 +113,6 @@ def check_model_parallel_sizes(tensor_parallel_size: int | None = 1,
         if size is not None and size > 1:
             raise ConfigError(f"{flag} {size} is not supported. {SUPPORTED_LAYOUT}. Set {flag} 1 "
                               "and give those ranks to --context-parallel-size.")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def current_sizes() -> dict:
