@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 demo-rl test test-under-load bench gradient-bias \
+.PHONY: demo demo-glm52 demo-qwen36 demo-deepseekv3 demo-rl demo-agent test test-under-load bench gradient-bias \
 	refresh-pins clean
 
 # Every package comes at the version in constraints.txt (tested together), so a fresh machine gets
@@ -76,6 +76,14 @@ demo-qwen36: $(VENV)/.installed
 # learns and no control does.
 demo-rl: $(VENV)/.installed
 	$(PY) tools/demo_rl.py --out runs/demo-rl
+
+# An agent that learns to use a tool, with a control that cannot (tools/demo_rl.py --task tool,
+# docs/benchmarks.md "An agent that learns to use a tool"): two turns through the launcher with
+# example_env's lookup tool, which alone holds each prompt's answer; the control is
+# --longstraw-control blind (the tool is called, its observation never fed). 3 seeds x (run,
+# control), 60 steps, two processes at a time; runs/demo-agent/; exit 1 unless every run learns.
+demo-agent: $(VENV)/.installed
+	$(PY) tools/demo_rl.py --task tool --steps 60 --out runs/demo-agent
 
 # One pytest process: two pytest-xdist workers were slower, not faster (CI 3,828 s against about
 # 2,550 s serial for the same tests): many tests run two to four processes of their own.

@@ -139,3 +139,83 @@ def test_the_sweep_table_comes_from_the_records():
     text = demo_rl_sweep.tables(records + [record("B", "copy", 1, "control", 0.5)], chosen="A")
     assert "## Recipe B" in text and "| copy | 1 | 0.000 | 0.200 | 0.000 | 0.500 | run FAILS; " \
                                       "control FAILS |" in text
+
+
+@pytest.mark.parametrize("query", ["key", "any"])
+def test_the_tool_task_s_answer_is_held_by_the_tool_only(tmp_path, query):
+    """--task tool: the prompt holds one marker (the key) and never the table; the lookup env
+    built from a row's meta answers the key with the row's answer and (query key) every other
+    marker with a different value, (query any) every id with the answer; answers balanced; the
+    launcher gets the environment, two one-token turns, and the blind control."""
+    from megatron_longstraw.rollout.example_env import lookup
+
+    args = demo_rl.parse_args(["--task", "tool", "--tool-query", query, "--prompt-len", "64",
+                               "--count", "4", "--num-prompts", "8"])
+    task = demo_rl.make_task(args, tmp_path)
+    markers = task["markers"]
+    assert task["reward"].startswith("the environment") and task["best_blind"] == 0.25
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert sorted(r["meta"]["answer"] for r in rows) == sorted(markers * 2)
+    for row in rows:
+        meta, prompt = row["meta"], row["prompt_ids"]
+        assert [m for m in markers if m in prompt] == [meta["key"]]
+        env = lookup({**meta, "answer_turn": 99}, prompt)     # every call a tool call
+        assert env.step([meta["key"]]).observation == [meta["key"], meta["answer"]]
+        for other in (m for m in markers if m != meta["key"]):
+            value = env.step([other]).observation[1]
+            assert (value == meta["answer"]) == (query == "any")
+        assert env.step([0]).observation[1] == (meta["answer"] if query == "any" else 0)
+    # the second call is the answer turn
+    env = lookup(rows[0]["meta"], rows[0]["prompt_ids"])
+    env.step([rows[0]["meta"]["key"]])
+    assert env.step([rows[0]["meta"]["answer"]]).reward == 1.0
+    run = demo_rl.launcher_argv(args, task, 1, False, tmp_path)
+    control = demo_rl.launcher_argv(args, task, 1, True, tmp_path)
+    assert "--longstraw-reward" not in run and "--longstraw-control" not in run
+    assert run[run.index("--longstraw-env") + 1] == demo_rl.TOOL_ENV
+    assert [run[run.index(f) + 1] for f in ("--longstraw-env-turn-tokens",
+                                            "--longstraw-env-max-turns",
+                                            "--longstraw-max-new-tokens")] == ["1", "2", "4"]
+    assert control[control.index("--longstraw-control") + 1] == "blind"
+
+
+def test_the_tool_task_runs_through_the_launcher_with_its_blind_control(tmp_path):
+    """Two steps of `--task tool` end to end: every member makes its call and its answer (two
+    turns, the tool's two ids fed in the run, none in the blind control)."""
+    demo_rl.main(["--task", "tool", "--out", str(tmp_path), "--seeds", "3", "--steps", "2",
+                  "--batch", "1", "--group-size", "2", "--prompt-len", "64", "--count", "4",
+                  "--num-prompts", "4", "--dynamic-sampling", "0"])
+    for kind, fed in (("run", 2.0), ("control", 0.0)):
+        history = json.loads((tmp_path / f"seed3-{kind}" / "receipt.json").read_text())["history"]
+        assert len(history) == 2
+        for h in history:
+            assert h["env/turns_mean"] == 2.0 and h["env/ends_done"] == 2.0
+            assert h["env/observation_tokens_mean"] == fed
+
+
+def test_the_text_plot_puts_each_mean_curve_in_its_row():
+    """Two seeds whose runs average to 0 for 10 steps then 1, controls at 0.5: the first columns
+    show both in row 0.5 / 0.0, the last the run at 1.0 and the control at 0.5; equal means
+    share a cell as '*'."""
+    seeds = [{"seed": s, "run": {"curve": [0.0] * 10 + [1.0] * 10},
+              "control": {"curve": [0.5] * 20}} for s in (1, 2)]
+    receipt = {"settings": {"steps": 10}, "chance": {"marker": 0.25}, "seeds": seeds}
+    lines = demo_rl.text_plot(receipt, width=20, height=4).splitlines()
+    rows = {line[:4]: line[6:] for line in lines[:5]}
+    assert rows["1.00"] == " " * 10 + "R" * 10
+    assert rows["0.50"] == "c" * 20 and rows["0.00"] == "R" * 10 + " " * 10
+    assert set(rows["0.25"]) == {"."}
+    seeds[0]["run"]["curve"] = seeds[1]["run"]["curve"] = [0.5] * 20
+    assert demo_rl.text_plot(receipt, width=20, height=4).splitlines()[2][6:] == "*" * 20
+
+
+def test_make_demo_agent_runs_the_tool_task_with_its_blind_control():
+    """The Makefile's demo-agent recipe parses as tools/demo_rl.py arguments: the tool task (the
+    tool answers whatever is asked), its runs and controls, 60 steps (docs/benchmarks.md)."""
+    import shlex
+
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    recipe = lines[lines.index("demo-agent: $(VENV)/.installed") + 1].split()
+    assert recipe[:2] == ["$(PY)", "tools/demo_rl.py"]
+    args = demo_rl.parse_args(shlex.split(" ".join(recipe[2:])))
+    assert (args.task, args.tool_query, args.steps, args.control) == ("tool", "any", 60, True)

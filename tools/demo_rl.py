@@ -11,6 +11,15 @@ it from the captured prompt state. Reward (`longstraw:marker_majority`): 1 when 
 first token is the majority marker.
 `--task copy | missing | first` runs the suite's other tasks (long_tasks.make_long_task).
 
+`--task tool` (`make demo-agent`) is a two-turn agent task whose answer needs a tool: the prompt
+holds one marker (the key: the copy task's prompt); a table from every marker to a value marker,
+drawn per prompt, is held by the tool only (example_env's lookup, `meta.table`). Turn 1 is the
+call: the policy's token is the key it asks for, the tool answers [key, value]; turn 2 is the
+answer, rewarded 1 by the environment when it is the value of the prompt's key (`tool_rows`).
+The control is `--longstraw-control blind`: the tool is called and rewards as before, but its
+observation never enters the trajectory, so no policy can beat chance (the values are a random
+permutation per prompt, the answers balanced).
+
 For every seed, two online GRPO runs through the launcher (`--longstraw-rollout online`, tiny
 Qwen3.6 of examples/demo_rl/qwen36_demo_v64.yaml, a 64-token vocabulary), identical but for
 `--longstraw-control zeros` in the second: its captured prompt state is replaced by zeros before
@@ -44,8 +53,11 @@ CONFIG = "examples/demo_rl/qwen36_demo_v64.yaml"
 REWARD_KEY = "grpo/reward_mean"
 GENERATED_KEY = "sampling/generated_reward_mean"
 REWARDS = {"majority": "longstraw:marker_majority", "copy": "longstraw:marker_copy",
-           "missing": "longstraw:marker_missing", "first": "longstraw:marker_first"}
-"""The suite's tasks (rewards.make_marker_task, long_tasks.make_long_task) and their rewards."""
+           "missing": "longstraw:marker_missing", "first": "longstraw:marker_first",
+           "tool": None}
+"""The suite's tasks (rewards.make_marker_task, long_tasks.make_long_task) and their rewards
+(the tool task's reward is its environment's: `tool_rows`)."""
+TOOL_ENV = "megatron_longstraw.rollout.example_env:lookup"
 
 
 # ---- the receipt's figures ----------------------------------------------------------------------
@@ -121,7 +133,7 @@ def build_receipt(args, seeds: list[dict], task: dict, wall_s: float) -> dict:
             "config", "task", "prompt_len", "num_markers", "group_size", "batch", "steps", "lr",
             "decoupled_lr", "lr_decay_style", "min_lr", "decoupled_min_lr", "prompt_grad",
             "num_prompts", "temperature", "dynamic_sampling", "loss_aggregation", "parallel",
-            "updates_per_capture")},
+            "updates_per_capture", "tool_query")},
         "criterion": check,
         "seeds": seeds,
         "summary": {f"{kind}_reward_{end}": spread([s[kind][f"reward_{end}"] for s in seeds])
@@ -156,6 +168,40 @@ def table(receipt: dict) -> str:
     return "\n".join(rows)
 
 
+def text_plot(receipt: dict, width: int = 60, height: int = 20) -> str:
+    """The reward curves as text (for docs: no binary): the mean over the seeds of the runs'
+    curves (`R`) and of the controls' (`c`; `*` where both fall in one cell), each a moving
+    average over a tenth of the steps, the steps binned into `width` columns, the rewards
+    0..1 into `height` rows; the chance among the markers as a row of dots."""
+    from megatron_longstraw.training.run_plot import moving_average
+
+    window = max(1, receipt["settings"]["steps"] // 10)
+    curves = {}
+    for kind, mark in (("run", "R"), ("control", "c")):
+        per_seed = [s[kind]["curve"] for s in receipt["seeds"] if s[kind] is not None]
+        if per_seed:
+            steps = min(len(c) for c in per_seed)
+            mean = [sum(c[i] for c in per_seed) / len(per_seed) for i in range(steps)]
+            curves[mark] = moving_average(mean, window)
+    steps = max(len(c) for c in curves.values())
+    width = min(width, steps)
+    grid = [[" "] * width for _ in range(height + 1)]
+    row_of = lambda value: height - min(height, max(0, round(value * height)))  # noqa: E731
+    for col in range(width):
+        grid[row_of(receipt["chance"]["marker"])][col] = "."
+    for mark, curve in curves.items():
+        for col in range(width):
+            lo, hi = col * len(curve) // width, max(col * len(curve) // width + 1,
+                                                    (col + 1) * len(curve) // width)
+            cell = grid[row_of(sum(curve[lo:hi]) / (hi - lo))]
+            cell[col] = "*" if cell[col] in "Rc" and cell[col] != mark else mark
+    lines = [f"{1 - r / height:4.2f} |{''.join(row)}" for r, row in enumerate(grid)]
+    lines.append("     +" + "-" * width)
+    lines.append(f"      step 1 .. {steps}: R run, c control (means over "
+                 f"{len(receipt['seeds'])} seeds, moving average {window}), . chance")
+    return "\n".join(lines) + "\n"
+
+
 # ---- PNG (matplotlib, the bench extra; each launcher run also writes its own run_curves.png) -----
 
 
@@ -181,7 +227,8 @@ def write_png(receipt: dict, path: Path) -> None:
     ax.set_ylabel(f"mean reward (moving average over {window} steps)")
     task = receipt["task"]
     ax.set_title(f"online GRPO, {task['task']} task, tiny Qwen3.6, P = {task['prompt_len']}, G = "
-                 f"{receipt['settings']['group_size']}: run vs control (prompt state zeroed)",
+                 f"{receipt['settings']['group_size']}: run vs control ("
+                 f"{'observations withheld' if task['task'] == 'tool' else 'prompt state zeroed'})",
                  fontsize=9)
     ax.set_ylim(-0.02, 1.02)
     ax.legend(fontsize=7, ncol=2)
@@ -210,6 +257,33 @@ def balanced_rows(rows: list[dict], markers: list[int], seed: int) -> list[dict]
     return out
 
 
+def tool_rows(rows: list[dict], markers: list[int], unknown_id: int, seed: int,
+              query: str = "key", vocab_size: int | None = None) -> list[dict]:
+    """The tool task from copy-task rows (`meta.answer`: the one marker the prompt holds, the
+    key): per prompt a table, a seeded random permutation of the markers (every marker a key,
+    distinct values: a wrong key never returns the right value), that only the tool holds;
+    `answer` becomes the key's value, `answer_turn` 2 (turn 1 the call, turn 2 the answer), ids
+    not in the table answered with `unknown_id` (example_env's lookup reads these fields).
+    query "any": the tool answers the key's value whatever id the call asks for (the table
+    maps every id of the vocabulary to it): the policy need only call and relay."""
+    import numpy as np
+
+    if query not in ("key", "any"):
+        raise ValueError(f"tool query {query!r}: expected 'key' or 'any'")
+    out = []
+    for k, row in enumerate(rows):
+        rng = np.random.default_rng([seed, k, 7])
+        values = [markers[int(i)] for i in rng.permutation(len(markers))]
+        table = [[m, v] for m, v in zip(markers, values)]
+        key = row["meta"]["answer"]
+        if query == "any":
+            table = [[i, dict(table)[key]] for i in range(vocab_size)]
+        meta = {**row["meta"], "task": "tool", "key": key, "answer": dict(zip(markers, values))[key],
+                "answer_turn": 2, "unknown_id": unknown_id, "table": table}
+        out.append({**row, "id": f"tool-{k}", "meta": meta})
+    return out
+
+
 def make_task(args, out: Path) -> dict:
     """The prompts (JSONL, prompt ids inline) and the task's description for the receipt."""
     import yaml
@@ -231,9 +305,11 @@ def make_task(args, out: Path) -> dict:
                                 minority_max=args.minority_max,
                                 evidence_fraction=args.evidence_fraction)
     else:
-        rows = make_long_task(args.task, num_rows, args.prompt_len, markers, filler,
-                              seed=args.data_seed, count=args.count,
-                              evidence_fraction=args.evidence_fraction)
+        rows = make_long_task("copy" if args.task == "tool" else args.task, num_rows,
+                              args.prompt_len, markers, filler, seed=args.data_seed,
+                              count=args.count, evidence_fraction=args.evidence_fraction)
+        if args.task == "tool":
+            rows = tool_rows(rows, markers, filler[0], args.data_seed, args.tool_query, vocab)
     rows = balanced_rows(rows, markers, args.data_seed)[:args.num_prompts]
     path = out / "prompts.jsonl"
     with path.open("w") as f:
@@ -243,7 +319,8 @@ def make_task(args, out: Path) -> dict:
     counts = ({"majority_count": args.majority_count,
                "minority_max": args.minority_max or args.majority_count // 2}
               if args.task == "majority" else {"count": args.count})
-    return {"task": args.task, "reward": REWARDS[args.task], "path": str(path),
+    return {"task": args.task, "reward": REWARDS[args.task] or f"the environment ({TOOL_ENV})",
+            "path": str(path),
             "num_prompts": len(rows),
             "prompt_len": args.prompt_len, "vocab_size": vocab, "markers": markers,
             "question_id": filler[0], "filler_ids": filler[1:],
@@ -253,10 +330,15 @@ def make_task(args, out: Path) -> dict:
 
 def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list[str]:
     name = f"seed{seed}-{'control' if control else 'run'}"
+    if args.task == "tool":
+        # turn 1: one token (the key asked for), the tool's 2-token answer, turn 2: one token
+        rollout = ["--longstraw-env", TOOL_ENV, "--longstraw-env-turn-tokens", "1",
+                   "--longstraw-env-max-turns", "2", "--longstraw-max-new-tokens", "4"]
+    else:
+        rollout = ["--longstraw-reward", REWARDS[args.task], "--longstraw-max-new-tokens", "1"]
     argv = ["--longstraw", "--longstraw-family", "qwen36", "--longstraw-config", args.config,
-            "--longstraw-data", task["path"], "--longstraw-rollout", "online",
-            "--longstraw-reward", REWARDS[args.task],
-            "--longstraw-group-size", str(args.group_size), "--longstraw-max-new-tokens", "1",
+            "--longstraw-data", task["path"], "--longstraw-rollout", "online", *rollout,
+            "--longstraw-group-size", str(args.group_size),
             "--longstraw-temperature", str(args.temperature),
             "--longstraw-dtype", "fp32", "--lr", str(args.lr),
             "--lr-decay-style", args.lr_decay_style, "--clip-grad", "1.0",
@@ -278,7 +360,9 @@ def launcher_argv(args, task: dict, seed: int, control: bool, out: Path) -> list
     # weights): with --prompt-grad exact only the run back-propagates through the prompt.
     if args.prompt_grad == "exact" and not control:
         argv += ["--longstraw-prompt-grad", "exact"]
-    return argv + (["--longstraw-control", "zeros"] if control else [])
+    if not control:
+        return argv
+    return argv + ["--longstraw-control", "blind" if args.task == "tool" else "zeros"]
 
 
 def child_env() -> dict:
@@ -311,7 +395,13 @@ def parse_args(argv=None):
     p.add_argument("--config", default=CONFIG, help="Model YAML (relative to the repository).")
     p.add_argument("--task", choices=tuple(REWARDS), default="majority",
                    help="majority: rewards.make_marker_task; copy, missing, first: "
-                        "long_tasks.make_long_task (the sweep's suite, docs/demo_rl_sweep.md).")
+                        "long_tasks.make_long_task (the sweep's suite, docs/demo_rl_sweep.md); "
+                        "tool: the two-turn tool task (tool_rows; its control is blind).")
+    p.add_argument("--tool-query", choices=("key", "any"), default="any",
+                   help="tool task: any: the tool answers the prompt's key whatever the call "
+                        "asks (the policy must call, then relay the answer); key: it answers the "
+                        "id the call asks for (the policy must also ask for the prompt's marker; "
+                        "not learned in 60 steps from scratch: docs/benchmarks.md). tool_rows.")
     p.add_argument("--seeds", default="1,2,3", help="Comma-separated training seeds.")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4, help="Prompts per step (--global-batch-size).")
@@ -381,8 +471,10 @@ def main(argv=None) -> dict:
 
     write_json_atomic(out / "receipt.json", receipt)
     write_png(receipt, out / "reward_curves.png")
+    (out / "reward_curves.txt").write_text(text_plot(receipt))
     chance = receipt["chance"]
     print(table(receipt))
+    print(text_plot(receipt))
     print(f"chance: {chance['marker']:.3f} (a marker guessed uniformly), "
           f"{chance['uniform_vocab']:.3f} (uniform over the vocabulary), best blind "
           f"{chance['best_blind']:.3f}; wall {receipt['wall_s']:.0f} s")
