@@ -59,7 +59,12 @@ def test_prefilled_observations_equal_a_full_forward_over_every_turn(family, pro
 # 64-token chunk. The two members' segments differ in length within one pass.
 @pytest.mark.parametrize("family,prompt_len", [("glm52", 40), ("qwen36", 50),
                                                ("deepseekv3", 30)])
-def test_block_prefill_equals_the_token_by_token_path(family, prompt_len):
+def test_block_prefill_equals_the_token_by_token_path(family, prompt_len, monkeypatch):
+    # a block's attention tiles of 5 query and 5 key rows (dense_attention.DECODE_BLOCK_TILE,
+    # 512, is larger than these tests' query blocks and key windows: it would not bind)
+    from megatron_longstraw.models import dense_attention
+
+    monkeypatch.setattr(dense_attention, "DECODE_BLOCK_TILE", 5)
     cfg, model = _build(family)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(4))
