@@ -186,7 +186,10 @@ def text_plot(receipt: dict, width: int = 60, height: int = 20) -> str:
     steps = max(len(c) for c in curves.values())
     width = min(width, steps)
     grid = [[" "] * width for _ in range(height + 1)]
-    row_of = lambda value: height - min(height, max(0, round(value * height)))  # noqa: E731
+
+    def row_of(value: float) -> int:
+        return height - min(height, max(0, round(value * height)))
+
     for col in range(width):
         grid[row_of(receipt["chance"]["marker"])][col] = "."
     for mark, curve in curves.items():
@@ -194,7 +197,7 @@ def text_plot(receipt: dict, width: int = 60, height: int = 20) -> str:
             lo, hi = col * len(curve) // width, max(col * len(curve) // width + 1,
                                                     (col + 1) * len(curve) // width)
             cell = grid[row_of(sum(curve[lo:hi]) / (hi - lo))]
-            cell[col] = "*" if cell[col] in "Rc" and cell[col] != mark else mark
+            cell[col] = mark if cell[col] in (" ", ".", mark) else "*"    # the other curve
     lines = [f"{1 - r / height:4.2f} |{''.join(row)}" for r, row in enumerate(grid)]
     lines.append("     +" + "-" * width)
     lines.append(f"      step 1 .. {steps}: R run, c control (means over "
