@@ -9,9 +9,9 @@ Each family's tiny example model (fp32, random weights) captures a `--prompt`-to
 then `generate` runs `--members` members, each of which samples one policy token, calls an
 environment that returns `--observation` ids, and samples one more token: once with
 `prefill_block` 1 (one row per decode pass, as before issue 43) and once with a block of the
-whole observation (the fastest of BLOCK_REPEATS runs). The two runs must give the same tokens and log-probs (<= 1e-5 in fp32; the
-fp64 equality is tests/test_env.py); the table gives each run's seconds and decode passes and
-their ratio. Writes <out-dir>/prefill.json and prefill.md.
+whole observation (the fastest of BLOCK_REPEATS runs). The two runs must give the same tokens
+and log-probs (<= 1e-5 in fp32; the fp64 equality is tests/test_env.py); the table gives each
+run's seconds and decode passes and their ratio. Writes <out-dir>/prefill.json and prefill.md.
 """
 
 from __future__ import annotations

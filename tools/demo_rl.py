@@ -14,7 +14,8 @@ first token is the majority marker.
 `--task tool` (`make demo-agent`) is a two-turn agent task whose answer needs a tool: the prompt
 holds one marker (the key: the copy task's prompt); a table from every marker to a value marker,
 drawn per prompt, is held by the tool only (example_env's lookup, `meta.table`). Turn 1 is the
-call: the policy's token is the key it asks for, the tool answers [key, value]; turn 2 is the
+call, and the tool answers [asked id, value]: the value of the prompt's key whatever is asked
+(`--tool-query any`, the default), or of the id asked for (`--tool-query key`); turn 2 is the
 answer, rewarded 1 by the environment when it is the value of the prompt's key (`tool_rows`).
 The control is `--longstraw-control blind`: the tool is called and rewards as before, but its
 observation never enters the trajectory, so no policy can beat chance (the values are a random
@@ -276,12 +277,12 @@ def tool_rows(rows: list[dict], markers: list[int], unknown_id: int, seed: int,
     out = []
     for k, row in enumerate(rows):
         rng = np.random.default_rng([seed, k, 7])
-        values = [markers[int(i)] for i in rng.permutation(len(markers))]
-        table = [[m, v] for m, v in zip(markers, values)]
+        value_of = dict(zip(markers, (markers[int(i)] for i in rng.permutation(len(markers)))))
         key = row["meta"]["answer"]
-        if query == "any":
-            table = [[i, dict(table)[key]] for i in range(vocab_size)]
-        meta = {**row["meta"], "task": "tool", "key": key, "answer": dict(zip(markers, values))[key],
+        answer = value_of[key]
+        table = ([[i, answer] for i in range(vocab_size)] if query == "any"
+                 else [[m, v] for m, v in value_of.items()])
+        meta = {**row["meta"], "task": "tool", "key": key, "answer": answer,
                 "answer_turn": 2, "unknown_id": unknown_id, "table": table}
         out.append({**row, "id": f"tool-{k}", "meta": meta})
     return out

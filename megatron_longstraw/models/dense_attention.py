@@ -50,7 +50,6 @@ from megatron_longstraw.models.mixer import StateAwareMixer
 from megatron_longstraw.state.attention_pass import AttentionPass
 
 
-
 DECODE_BLOCK_TILE = 512
 """Query rows and key rows per tile (at most; the run's --longstraw-query-block and key block
 when smaller) of a block segment's attention in a decode pass, an observation's ids fed as one
@@ -60,6 +59,7 @@ block. The reference kernel builds a [queries x heads x keys] score tile per key
 decode memory bound only shrinks). A one-row segment (a sampled token) keeps the run's key block:
 one query over many keys is faster in few blocks. Results agree within rounding (the key blocks'
 log-sum-exp merge order)."""
+
 
 class DenseStateAttention(StateAwareMixer):
     """The modes of a dense causal attention over per-token key rows (module docstring); the
